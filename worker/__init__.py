@@ -1,0 +1,1 @@
+"""streambatch worker: the engine and (later) the Redis service around it."""

@@ -1,0 +1,1 @@
+"""The engine: pure scheduling, paged KV blocks and the model runner. Knows nothing of Redis."""

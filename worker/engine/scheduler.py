@@ -1,0 +1,343 @@
+"""Iteration-level scheduling: every step is a fresh decision of who computes what.
+
+The three decisions of a step, in the brief's order:
+  1. running sequences grow first: each decode gets its token, preempting by recompute
+     when the pool cannot hold the growth;
+  2. the rest of the token budget goes to prefills (continued chunks, then admissions),
+     split between the fast and normal lanes, unused share flowing to the other lane;
+  3. the batch is whatever 1 and 2 produced: no fixed size, only budget and memory.
+Pure Python: no torch, no redis. The runner executes the StepPlan; `update` applies
+the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from producer.protocol import LANES, Lane, pick_lane
+from worker.engine.blocks import BlockPool
+from worker.engine.scheduler_config import SchedulerConfig
+from worker.engine.sequence import FinishReason, Sequence, Status
+
+
+@dataclass
+class StepPlan:
+    scheduled: dict[Sequence, int] = field(default_factory=dict)  # seq -> new tokens; decodes first
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # rejected or aborted since last step
+    num_tokens: int = 0
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.scheduled[seq] = self.scheduled.get(seq, 0) + num_tokens
+        self.num_tokens += num_tokens
+
+    def remove(self, seq: Sequence) -> None:
+        self.num_tokens -= self.scheduled.pop(seq, 0)
+
+    def samples(self, seq: Sequence) -> bool:
+        """True when this step computes the sequence's last known token: it gets a new one."""
+        return seq.num_computed_tokens + self.scheduled[seq] == len(seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.pool = pool
+        self.clock = clock
+        self.waiting: dict[Lane, deque[Sequence]] = {lane: deque() for lane in LANES}
+        # running = decoding + prefilling; dicts used as ordered sets, oldest first
+        self.running: dict[Sequence, None] = {}
+        self.decoding: dict[Sequence, None] = {}
+        self.prefilling: dict[Lane, dict[Sequence, None]] = {lane: {} for lane in LANES}
+        self.aged: dict[Sequence, None] = {}  # waited past patience: admitted before anyone else
+        self.requests: dict[str, Sequence] = {}
+        self.pending_finished: list[Sequence] = []
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.last_victim: Sequence | None = None
+        self.preempting_streak = 0  # consecutive steps that preempted
+        self.cooldown_until = 0  # step number; admissions use a higher watermark before it
+        self.static_batch_open = True
+        self.admission_refused = False  # this step, some waiting request did not fit
+
+    # --- requests in and out -----------------------------------------------------------
+    def add(self, seq: Sequence, requested_lane: Lane | None = None) -> Sequence:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
+        cfg = self.config
+        seq.lane = pick_lane(seq.num_prompt_tokens, seq.params.max_tokens, requested_lane,
+                             cfg.fast_prompt_tokens, cfg.fast_max_tokens)
+        problem = self._never_fits(seq)
+        if problem:
+            seq.finish(FinishReason.ERROR, self.clock(), error=problem)
+            self.pending_finished.append(seq)
+            return seq
+        self.requests[seq.request_id] = seq
+        self.waiting[seq.lane].append(seq)
+        return seq
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        length = seq.num_prompt_tokens + seq.params.max_tokens
+        if seq.num_prompt_tokens == 0:
+            return "empty prompt"
+        if length > self.config.max_model_len:
+            return (f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens})"
+                    f" exceeds the model length ({self.config.max_model_len})")
+        if self.pool.blocks_for(length) > self.pool.num_blocks:
+            return (f"prompt + max_tokens ({length} tokens) needs {self.pool.blocks_for(length)} KV"
+                    f" blocks; the pool has {self.pool.num_blocks}")
+        return None
+
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        """End a request now (cancel, deadline, stop string): its blocks are freed at once."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        if seq.status is Status.RUNNING:
+            self._leave_running(seq)
+        else:
+            self.waiting[seq.lane].remove(seq)
+            self.aged.pop(seq, None)
+        self._finish(seq, reason)
+        self.pending_finished.append(seq)
+        return True
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish(reason, self.clock())
+        del self.requests[seq.request_id]
+
+    def _leave_running(self, seq: Sequence) -> None:
+        self.pool.free_sequence(seq)
+        del self.running[seq]
+        self.decoding.pop(seq, None)
+        self.prefilling[seq.lane].pop(seq, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests or self.pending_finished)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(queue) for queue in self.waiting.values())
+
+    # --- one step ----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(finished=self.pending_finished)
+        self.pending_finished = []
+        self.num_steps += 1
+        self._schedule_decodes(plan)
+        may_admit = self._may_admit()
+        self.admission_refused = False
+        remaining = self.config.token_budget - plan.num_tokens
+        fast_has_work = bool(self.prefilling["fast"] or self.waiting["fast"])
+        fast_quota = int(remaining * self.config.fast_lane_share) if fast_has_work else 0
+        self._fill_lane("fast", fast_quota, plan, may_admit)
+        self._fill_lane("normal", self.config.token_budget - plan.num_tokens, plan, may_admit)
+        for lane in LANES:  # work-conserving: what one lane left, the other may take
+            self._fill_lane(lane, self.config.token_budget - plan.num_tokens, plan, may_admit)
+        if not plan.scheduled and self.running:
+            self._unstick(plan)
+        if self.config.policy == "static":
+            # the batch closes once it is full: a refusal, no seat, or nobody left to admit
+            self.static_batch_open = may_admit and not (
+                self.admission_refused or not self._has_seat() or not self.num_waiting)
+        self._track_preemption(plan)
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan) -> None:
+        # The hot loop at large batch sizes, so it is written out flat: each decode is one
+        # token, and needs a block only when its last block is full.
+        budget, slots_per_block, scheduled = self.config.token_budget, self.pool.block_size, plan.scheduled
+        for seq in list(self.decoding):
+            if len(scheduled) >= budget:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            if len(seq.block_table) * slots_per_block > seq.num_computed_tokens or self._make_room(seq, 1, plan):
+                scheduled[seq] = 1
+        plan.num_tokens = len(scheduled)
+
+    def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Allocate for a running sequence's growth, preempting others while the pool is
+        short; preempts the sequence itself when nobody else is left."""
+        while not self.pool.allocate(seq, plan.scheduled.get(seq, 0) + num_tokens):
+            victim = self._pick_victim(exclude=seq)
+            self._preempt(victim or seq, plan)
+            if victim is None:
+                return False
+        return True
+
+    def _pick_victim(self, exclude: Sequence, lane: Lane | None = None) -> Sequence | None:
+        candidates = [s for s in self.running if s is not exclude and lane in (None, s.lane)]
+        if len(candidates) > 1 and self.last_victim in candidates:
+            candidates.remove(self.last_victim)  # never the same victim twice in a row
+        if not candidates:
+            return None
+        policy = self.config.victim_policy
+        if policy == "newest" or lane is not None:
+            return max(candidates, key=lambda s: s.arrival_time)
+        if policy == "most_blocks":
+            return max(candidates, key=lambda s: (len(s.block_table), s.arrival_time))
+        return min(candidates, key=lambda s: (s.num_computed_tokens, -s.arrival_time))
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Recompute later: drop the KV (full blocks stay in the prefix cache for re-entry)
+        and go back to the HEAD of the lane's queue; it already paid for one prefill."""
+        plan.remove(seq)
+        self._leave_running(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.PREEMPTED
+        seq.num_preemptions += 1
+        self.waiting[seq.lane].appendleft(seq)
+        plan.preempted.append(seq)
+        self.num_preemptions += 1
+        self.last_victim = seq
+
+    def _may_admit(self) -> bool:
+        if self.config.policy == "static":
+            if not self.running:
+                self.static_batch_open = True
+            return self.static_batch_open
+        return True
+
+    def _fill_lane(self, lane: Lane, allowance: int, plan: StepPlan, may_admit: bool) -> None:
+        stop_at = plan.num_tokens + allowance
+        for seq in list(self.prefilling[lane]):
+            room = stop_at - plan.num_tokens
+            want = seq.num_uncomputed_tokens - plan.scheduled.get(seq, 0)
+            num_tokens = min(want, room, self._tokens_that_fit(seq, plan))
+            if num_tokens > 0:
+                self.pool.allocate(seq, plan.scheduled.get(seq, 0) + num_tokens)
+                plan.add(seq, num_tokens)
+        # memory is short in a step that preempted: an admission would only be evicted again
+        if may_admit and not plan.preempted:
+            self._admit(lane, stop_at, plan)
+
+    def _tokens_that_fit(self, seq: Sequence, plan: StepPlan) -> int:
+        slots = (len(seq.block_table) + self.pool.num_free_blocks) * self.pool.block_size
+        return slots - seq.num_computed_tokens - plan.scheduled.get(seq, 0)
+
+    def _admit(self, lane: Lane, stop_at: int, plan: StepPlan) -> None:
+        if self.aged:  # someone has waited too long: nobody jumps them
+            for seq in [s for s in self.aged if s.lane == lane]:
+                if plan.num_tokens >= stop_at or not self._has_seat():
+                    return
+                if not self._try_admit(seq, stop_at - plan.num_tokens, plan):
+                    return
+                self.waiting[lane].remove(seq)
+            return
+        queue, skipped = self.waiting[lane], []
+        while queue and plan.num_tokens < stop_at and self._has_seat():
+            seq = queue.popleft()
+            if self._try_admit(seq, stop_at - plan.num_tokens, plan):
+                continue
+            skipped.append(seq)  # head-of-line: it does not fit now, smaller ones may
+            self._age(seq)
+            if len(skipped) > self.config.max_admission_skips:
+                break
+        queue.extendleft(reversed(skipped))
+        self.admission_refused = self.admission_refused or bool(skipped)
+
+    def _has_seat(self) -> bool:
+        cap = self.config.max_num_seqs
+        return cap is None or len(self.running) < cap
+
+    def _try_admit(self, seq: Sequence, room: int, plan: StepPlan) -> bool:
+        pool = self.pool
+        hits = pool.match_prefix(seq)
+        num_cached = len(hits) * pool.block_size
+        num_tokens = min(len(seq.token_ids) - num_cached, room)
+        cost = pool.admission_cost(seq, hits, num_tokens)
+        if pool.num_free_blocks - cost < self._admission_floor(seq):
+            if not self._evict_for_fast_lane(seq, cost, plan):
+                return False
+        pool.take_prefix(seq, hits)
+        seq.num_computed_tokens = num_cached
+        if seq.status is Status.WAITING:
+            seq.num_cached_tokens = num_cached
+            seq.first_scheduled_time = self.clock()
+        assert pool.allocate(seq, num_tokens)
+        seq.status = Status.RUNNING
+        self.running[seq] = None
+        self.prefilling[seq.lane][seq] = None
+        self.aged.pop(seq, None)
+        plan.add(seq, num_tokens)
+        return True
+
+    def _admission_floor(self, seq: Sequence) -> float:
+        """Free blocks an admission must leave behind."""
+        cfg = self.config
+        if seq in self.aged or not self.running:
+            return 0  # an idle pool, or a request that waited too long, takes what there is
+        share = cfg.watermark + (cfg.cooldown_watermark if self.num_steps < self.cooldown_until else 0)
+        if seq.lane == "normal" and cfg.fast_lane_protection == "reserve":
+            share += cfg.fast_lane_share
+        return share * self.pool.num_blocks
+
+    def _evict_for_fast_lane(self, seq: Sequence, cost: int, plan: StepPlan) -> bool:
+        """A fast request that waited too long evicts the newest normal-lane sequences."""
+        cfg = self.config
+        if (seq.lane != "fast" or cfg.fast_lane_protection != "preempt"
+                or seq.skipped_admissions < cfg.fast_lane_max_wait_steps):
+            return False
+        while self.pool.num_free_blocks < cost:
+            victim = self._pick_victim(exclude=seq, lane="normal")
+            if victim is None:
+                return False
+            self._preempt(victim, plan)
+        return True
+
+    def _age(self, seq: Sequence) -> None:
+        seq.skipped_admissions += 1
+        if seq.skipped_admissions >= self.config.head_of_line_patience:
+            self.aged[seq] = None
+
+    def _unstick(self, plan: StepPlan) -> None:
+        """Every running sequence is mid-prefill and the pool is full: let the oldest
+        finish its prefill, at the others' expense, so the step is never empty."""
+        seq = next(iter(self.running))
+        room = len(seq.block_table) * self.pool.block_size - seq.num_computed_tokens
+        num_tokens = min(seq.num_uncomputed_tokens, self.config.token_budget,
+                         room + self.pool.block_size)
+        if self._make_room(seq, num_tokens, plan):
+            plan.add(seq, num_tokens)
+
+    def _track_preemption(self, plan: StepPlan) -> None:
+        self.preempting_streak = self.preempting_streak + 1 if plan.preempted else 0
+        if self.preempting_streak >= self.config.cooldown_after_steps:
+            self.cooldown_until = self.num_steps + self.config.calm_steps
+
+    # --- results of a step -------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that finished."""
+        now, max_model_len = self.clock(), self.config.max_model_len
+        finished = []
+        for seq, num_tokens in plan.scheduled.items():
+            if seq.status is not Status.RUNNING:
+                continue  # ended while the step ran
+            seq.num_computed_tokens += num_tokens
+            self.pool.commit(seq, num_tokens)
+            token = sampled.get(seq)
+            if token is None:
+                continue  # a prefill chunk that does not reach the end yet
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq not in self.decoding:
+                del self.prefilling[seq.lane][seq]
+                self.decoding[seq] = None
+            if token in seq.stop_token_ids:
+                reason = FinishReason.STOP
+            elif (len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens
+                  or len(seq.token_ids) >= max_model_len):
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            self._leave_running(seq)
+            self._finish(seq, reason)
+            finished.append(seq)
+        return finished

@@ -1,0 +1,58 @@
+"""The scheduler's knobs, validated in one place. Names match the worker's flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from producer.protocol import FAST_MAX_TOKENS, FAST_PROMPT_TOKENS
+
+Policy = Literal["continuous", "static"]
+VictimPolicy = Literal["cheapest", "newest", "most_blocks"]
+FastLaneProtection = Literal["reserve", "preempt", "none"]
+
+
+class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    token_budget: int = 2048  # tokens computed per step, prefill and decode together
+    max_num_seqs: int | None = None  # optional cap on running sequences; None = no cap
+    max_model_len: int = 8192
+    watermark: float = 0.2  # share of the pool an admission must leave free
+    fast_lane_share: float = 0.3  # share of each step's prefill budget reserved for the fast lane
+    fast_prompt_tokens: int = FAST_PROMPT_TOKENS
+    fast_max_tokens: int = FAST_MAX_TOKENS
+    # How the fast lane avoids waiting behind a pool full of normal-lane work:
+    # "reserve" keeps fast_lane_share of the pool out of normal-lane admissions;
+    # "preempt" lets a fast request that waited fast_lane_max_wait_steps evict the newest
+    # normal-lane sequence. ops/bench_scheduler.py measures both.
+    fast_lane_protection: FastLaneProtection = "preempt"
+    fast_lane_max_wait_steps: int = 4
+    victim_policy: VictimPolicy = "cheapest"
+    cooldown_after_steps: int = 3  # preemptions in this many consecutive steps start a cool-down
+    cooldown_watermark: float = 0.1  # added to the watermark while cooling down
+    calm_steps: int = 32  # steps without preemption that end a cool-down
+    head_of_line_patience: int = 64  # skips after which a request stops others from jumping it
+    max_admission_skips: int = 32  # waiting requests examined past non-fitting ones per step
+    policy: Policy = "continuous"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.token_budget >= 1, f"token_budget must be >= 1, got {self.token_budget}"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1,
+             f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}"),
+            (self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
+            (0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}"),
+            (0.0 <= self.fast_lane_share <= 0.5,
+             f"fast_lane_share must be in [0, 0.5], got {self.fast_lane_share}"),
+            (self.fast_prompt_tokens >= 1 and self.fast_max_tokens >= 1,
+             "fast_prompt_tokens and fast_max_tokens must be >= 1"),
+            (self.fast_lane_max_wait_steps >= 0, "fast_lane_max_wait_steps must be >= 0"),
+            (self.cooldown_after_steps >= 1, "cooldown_after_steps must be >= 1"),
+            (0.0 <= self.watermark + self.cooldown_watermark < 1.0,
+             "watermark + cooldown_watermark must be in [0, 1)"),
+            (self.calm_steps >= 0 and self.head_of_line_patience >= 1 and self.max_admission_skips >= 0,
+             "calm_steps, head_of_line_patience and max_admission_skips must be positive"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ValueError("invalid scheduler config: " + "; ".join(problems))
