@@ -127,9 +127,12 @@ def test_aged_request_is_not_jumped():
     step(scheduler)
     step(scheduler)
     assert big in scheduler.aged
-    late = add(scheduler, "late", 20, 4, first_token=20_000)
+    same_lane = add(scheduler, "same", 20, 200, first_token=20_000)
+    other_lane = add(scheduler, "other", 20, 4, first_token=30_000)
+    assert (big.lane, same_lane.lane, other_lane.lane) == ("normal", "normal", "fast")
     plan, _ = step(scheduler)
-    assert late not in plan.scheduled  # would fit, but big waited too long
+    assert same_lane not in plan.scheduled  # would fit, but big waited too long in its lane
+    assert other_lane not in plan.scheduled  # the other lane must leave big's room free
     drain(scheduler)
     assert big.first_scheduled_time is not None and big.finish_reason is FinishReason.LENGTH
 

@@ -15,31 +15,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from producer.protocol import LANES, Lane, pick_lane
 from worker.engine.blocks import BlockPool
+from worker.engine.plan import StepPlan
 from worker.engine.scheduler_config import SchedulerConfig
 from worker.engine.sequence import FinishReason, Sequence, Status
-
-
-@dataclass
-class StepPlan:
-    scheduled: dict[Sequence, int] = field(default_factory=dict)  # seq -> new tokens; decodes first
-    preempted: list[Sequence] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)  # rejected or aborted since last step
-    num_tokens: int = 0
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        self.scheduled[seq] = self.scheduled.get(seq, 0) + num_tokens
-        self.num_tokens += num_tokens
-
-    def remove(self, seq: Sequence) -> None:
-        self.num_tokens -= self.scheduled.pop(seq, 0)
-
-    def samples(self, seq: Sequence) -> bool:
-        """True when this step computes the sequence's last known token: it gets a new one."""
-        return seq.num_computed_tokens + self.scheduled[seq] == len(seq.token_ids)
+from worker.engine.victims import pick_victim
 
 
 class Scheduler:
@@ -173,16 +155,9 @@ class Scheduler:
 
     def _pick_victim(self, exclude: Sequence, lane: Lane | None = None) -> Sequence | None:
         candidates = [s for s in self.running if s is not exclude and lane in (None, s.lane)]
-        if len(candidates) > 1 and self.last_victim in candidates:
-            candidates.remove(self.last_victim)  # never the same victim twice in a row
-        if not candidates:
-            return None
-        policy = self.config.victim_policy
-        if policy == "newest" or lane is not None:
-            return max(candidates, key=lambda s: s.arrival_time)
-        if policy == "most_blocks":
-            return max(candidates, key=lambda s: (len(s.block_table), s.arrival_time))
-        return min(candidates, key=lambda s: (s.num_computed_tokens, -s.arrival_time))
+        # a fast-lane eviction always takes the newest normal-lane sequence
+        policy = "newest" if lane is not None else self.config.victim_policy
+        return pick_victim(candidates, policy, self.last_victim)
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute later: drop the KV (full blocks stay in the prefix cache for re-entry)
@@ -222,14 +197,6 @@ class Scheduler:
         return slots - seq.num_computed_tokens - plan.scheduled.get(seq, 0)
 
     def _admit(self, lane: Lane, stop_at: int, plan: StepPlan) -> None:
-        if self.aged:  # someone has waited too long: nobody jumps them
-            for seq in [s for s in self.aged if s.lane == lane]:
-                if plan.num_tokens >= stop_at or not self._has_seat():
-                    return
-                if not self._try_admit(seq, stop_at - plan.num_tokens, plan):
-                    return
-                self.waiting[lane].remove(seq)
-            return
         queue, skipped = self.waiting[lane], []
         while queue and plan.num_tokens < stop_at and self._has_seat():
             seq = queue.popleft()
@@ -237,8 +204,8 @@ class Scheduler:
                 continue
             skipped.append(seq)  # head-of-line: it does not fit now, smaller ones may
             self._age(seq)
-            if len(skipped) > self.config.max_admission_skips:
-                break
+            if seq in self.aged or len(skipped) > self.config.max_admission_skips:
+                break  # nobody in its lane jumps a request that has waited too long
         queue.extendleft(reversed(skipped))
         self.admission_refused = self.admission_refused or bool(skipped)
 
@@ -276,7 +243,11 @@ class Scheduler:
         share = cfg.watermark + (cfg.cooldown_watermark if self.num_steps < self.cooldown_until else 0)
         if seq.lane == "normal" and cfg.fast_lane_protection == "reserve":
             share += cfg.fast_lane_share
-        return share * self.pool.num_blocks
+        # the other lane's oldest aged request keeps the room for its first chunk, so memory
+        # freed by finishing sequences piles up for it instead of going to newcomers
+        aged = next((s for s in self.aged if s.lane != seq.lane), None)
+        held = self.pool.blocks_for(min(len(aged.token_ids), cfg.token_budget)) if aged else 0
+        return share * self.pool.num_blocks + held
 
     def _evict_for_fast_lane(self, seq: Sequence, cost: int, plan: StepPlan) -> bool:
         """A fast request that waited too long evicts the newest normal-lane sequences."""

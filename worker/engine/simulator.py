@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from producer.protocol import Lane, SamplingParams
 from worker.engine.blocks import BlockPool, BlockStats
-from worker.engine.scheduler import Scheduler, StepPlan
+from worker.engine.plan import StepPlan
+from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_config import SchedulerConfig
 from worker.engine.sequence import Sequence
 
@@ -73,8 +74,6 @@ class SimResult:
     elapsed_s: float = 0.0
     scheduler_s: float = 0.0  # wall-clock time spent inside schedule() + update()
     decode_tokens: int = 0  # tokens sampled (useful output)
-    prefill_tokens: dict[Lane, int] = field(default_factory=lambda: {"fast": 0, "normal": 0})
-    occupied_seq_steps: int = 0  # sum over steps of running sequences
     kv_utilisation_samples: list[float] = field(default_factory=list)
     peak_used_blocks: int = 0
     final_stats: BlockStats | None = None
@@ -108,17 +107,12 @@ def simulate(config: SchedulerConfig, num_blocks: int, block_size: int,
         if on_step is not None:
             on_step(scheduler, plan)
         sampled = model.execute(plan)
-        for seq, n in plan.scheduled.items():
-            if not seq.is_decoding:
-                result.prefill_tokens[seq.lane] += n
         now[0] += cost.step_time(plan) if plan.scheduled else 0.0
         started = time.perf_counter()
         scheduler.update(plan, sampled)
         result.scheduler_s += time.perf_counter() - started
         result.steps += 1
         result.decode_tokens += len(sampled)
-        result.occupied_seq_steps += len(scheduler.running) + len(
-            [s for s in sampled if s.is_finished])
         if sample_kv_every and result.steps % sample_kv_every == 0:
             stats = scheduler.pool.stats(scheduler.running)
             result.kv_utilisation_samples.append(stats.kv_utilisation)
