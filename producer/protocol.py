@@ -82,3 +82,20 @@ def pick_lane(
     if requested == "normal" or not qualifies:
         return "normal"
     return "fast"
+
+
+FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class Timings(msgspec.Struct, frozen=True):
+    """Seconds, measured by the worker from the request's arrival in the engine."""
+
+    queued: float  # arrival -> first scheduled
+    ttft: float  # arrival -> first token
+    total: float  # arrival -> finish

@@ -15,7 +15,7 @@ def make_scheduler(num_blocks=64, block_size=16, **config):
 
 def add(scheduler, request_id, prompt_len, max_tokens=8, lane=None, first_token=0, eos=None, **params):
     seq = Sequence(request_id, list(range(first_token, first_token + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, **params), eos_token_id=eos)
+                   SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(eos,) if eos is not None else ())
     return scheduler.add(seq, lane)
 
 

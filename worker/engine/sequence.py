@@ -36,7 +36,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     lane: Lane = "normal"
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
 
     token_ids: list[int] = field(init=False)  # prompt + output, appended as sampled
@@ -57,8 +57,8 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.stop_token_ids = set(self.params.stop_token_ids)
-        if self.eos_token_id is not None and not self.params.ignore_eos:
-            self.stop_token_ids.add(self.eos_token_id)
+        if not self.params.ignore_eos:
+            self.stop_token_ids.update(self.eos_token_ids)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, lane={self.lane}, "

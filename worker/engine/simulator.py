@@ -41,6 +41,7 @@ class FakeModel:
                  eos_probability: float = 0.0) -> None:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.eos_token_ids = () if eos_token_id is None else (eos_token_id,)
         self.eos_threshold = int(eos_probability * 1_000_000)
         self.prompt_keys: dict[Sequence, int] = {}
 
@@ -98,7 +99,7 @@ def simulate(config: SchedulerConfig, num_blocks: int, block_size: int,
         while next_request < len(pending) and pending[next_request].arrival_s <= now[0]:
             request = pending[next_request]
             seq = Sequence(request.request_id or f"r{next_request}", request.prompt_token_ids,
-                           request.params, eos_token_id=model.eos_token_id, arrival_time=request.arrival_s)
+                           request.params, eos_token_ids=model.eos_token_ids, arrival_time=request.arrival_s)
             result.sequences.append(scheduler.add(seq, request.lane))
             next_request += 1
         started = time.perf_counter()

@@ -1,0 +1,214 @@
+"""Offline throughput, side by side in one run, on the same model, dtype and threads.
+
+Workload: 64 requests, chat-templated prompts of 20-200 tokens, max_tokens 16 (half),
+64 (a quarter) and 256 (a quarter), EOS ignored, fixed seed. Systems:
+  ours           our engine, continuous policy
+  ours-static    our engine, static policy, batches of 16
+  hf-static      HF generate, static batches of 16, left-padded
+  hf-single      HF generate, one request at a time
+  hf-cb          transformers' continuous batching (init_continuous_batching)
+Each system runs in its own subprocess (clean peak RSS, no shared state); the table gives
+output tokens/s, the ratio to hf-static, peak RSS, and for our engine the KV utilisation
+at peak and the share of this machine's roofline at the batch size reached.
+
+    python -m ops.bench_offline [--dtype float32|bfloat16] [--systems ours,hf-static,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+SYSTEMS = ("ours", "ours-static", "hf-static", "hf-single", "hf-cb")
+WORDS = ("time data river model light stone music garden window paper city mountain story "
+         "engine question answer market energy planet signal memory bridge winter coffee").split()
+
+
+def workload(tokenizer, seed: int = 0, count: int = 64) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) pairs: chat-templated prompts of 20-200 tokens."""
+    rng = random.Random(seed)
+    lengths = [16] * (count // 2) + [64] * (count // 4) + [256] * (count - count // 2 - count // 4)
+    rng.shuffle(lengths)
+    requests = []
+    for max_tokens in lengths:
+        target, words = rng.randint(20, 200), []
+        while True:
+            messages = [{"role": "user", "content": " ".join(words)}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+            if len(ids) >= target:
+                break
+            words.append(rng.choice(WORDS))
+        requests.append((list(ids), max_tokens))
+    return requests
+
+
+def run_ours(model_name: str, dtype: str, requests, policy: str) -> dict:
+    from producer.protocol import SamplingParams
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+
+    options = {"dtype": dtype, "policy": policy}
+    if policy == "static":
+        options["max_num_seqs"] = 16
+    engine = Engine(EngineConfig.from_options(model_name, **options))
+    started = time.perf_counter()
+    for i, (ids, max_tokens) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt_ids=ids,
+                           params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens, steps, decodes, peak = 0, 0, 0, None
+    while engine.has_unfinished:
+        outputs = engine.step()
+        tokens += sum(len(o.token_ids) for o in outputs)
+        steps += 1
+        decodes += len(engine.scheduler.decoding)
+        stats = engine.pool.stats(engine.scheduler.running)
+        if peak is None or stats.used > peak.used:
+            peak = stats
+    elapsed = time.perf_counter() - started
+    return {"tokens": tokens, "seconds": elapsed, "mean_batch": decodes / steps,
+            "kv_utilisation_at_peak": peak.kv_utilisation, "peak_blocks": peak.used,
+            "params": sum(p.numel() for p in engine.model.parameters()),
+            "dtype_bytes": engine.model.dtype.itemsize}
+
+
+def load_hf(dtype: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.engine.models import parse_dtype, smollm2_cache
+
+    path = smollm2_cache()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer
+
+
+@torch.inference_mode()
+def run_hf(dtype: str, requests, batch_size: int) -> dict:
+    model, tokenizer = load_hf(dtype)
+    started, tokens = time.perf_counter(), 0
+    for first in range(0, len(requests), batch_size):
+        batch = requests[first:first + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids, _ in batch])
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                       max_new_tokens=max(m for _, m in batch), eos_token_id=None, pad_token_id=0)
+        tokens += sum(m for _, m in batch)  # useful tokens; the rest of each row is waste
+    return {"tokens": tokens, "seconds": time.perf_counter() - started}
+
+
+@torch.inference_mode()
+def run_hf_cb(dtype: str, requests) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model, tokenizer = load_hf(dtype)
+    generation = GenerationConfig(do_sample=False, max_new_tokens=256, eos_token_id=None, pad_token_id=0)
+    config = ContinuousBatchingConfig(num_blocks=2048, max_batch_tokens=512)
+    manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
+    manager.start()
+    started, tokens = time.perf_counter(), 0
+    for i, (ids, max_tokens) in enumerate(requests):
+        manager.add_request(input_ids=ids, request_id=f"r{i}", max_new_tokens=max_tokens)
+    for _ in requests:
+        result = manager.get_result(timeout=600)
+        tokens += len(result.generated_tokens)
+    elapsed = time.perf_counter() - started
+    manager.stop()
+    return {"tokens": tokens, "seconds": elapsed}
+
+
+def roofline(params: int, dtype_bytes: int, batch: float, dtype: torch.dtype) -> dict:
+    """Best tokens/s at this batch size: each step reads every weight once and does
+    2 * params * batch FLOPs; whichever of memory or compute is slower bounds the step."""
+    a = torch.randn(2048, 2048, dtype=dtype)
+    a @ a
+    started = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    flops = 5 * 2 * 2048 ** 3 / (time.perf_counter() - started)
+    big = torch.empty(64 * 2 ** 20 // 4, dtype=torch.float32).uniform_()
+    started = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    bandwidth = 5 * big.numel() * 4 / (time.perf_counter() - started)
+    step = max(params * dtype_bytes / bandwidth, 2 * params * batch / flops)
+    return {"gflops": flops / 1e9, "gbps": bandwidth / 1e9, "tokens_per_s": batch / step}
+
+
+def child(system: str, dtype: str, seed: int) -> None:
+    from worker.engine.models import parse_dtype
+
+    torch.manual_seed(seed)
+    _, tokenizer = load_hf(dtype) if system.startswith("hf") else (None, None)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        from worker.engine.models import smollm2_cache
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_cache())
+    requests = workload(tokenizer, seed)
+    if system in ("ours", "ours-static"):
+        result = run_ours("smollm2-135m", dtype, requests, "static" if system == "ours-static" else "continuous")
+        result["roofline"] = roofline(result["params"], result["dtype_bytes"], result["mean_batch"],
+                                      parse_dtype(dtype))
+    elif system == "hf-cb":
+        result = run_hf_cb(dtype, requests)
+    else:
+        result = run_hf(dtype, requests, 1 if system == "hf-single" else 16)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.dtype, args.seed)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from worker.engine.models import smollm2_cache
+    smollm2_cache()  # convert the bundled model once, before any timing
+    results = {}
+    for system in args.systems.split(","):
+        if system not in SYSTEMS:
+            parser.error(f"unknown system {system!r}; choose from {SYSTEMS}")
+        out = subprocess.run([sys.executable, "-m", "ops.bench_offline", "--child", system, "--dtype", args.dtype,
+                              "--seed", str(args.seed)], capture_output=True, text=True)
+        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{system} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
+            continue
+        results[system] = json.loads(line[len("RESULT "):])
+        print(f"{system}: {results[system]['tokens'] / results[system]['seconds']:.1f} tok/s", file=sys.stderr)
+    base = results.get("hf-static")
+    table = Table(title=f"Offline throughput, SmolLM2-135M {args.dtype}, {torch.get_num_threads()} threads, 64 requests")
+    for column in ("system", "output tok/s", "x hf-static", "peak RSS MB", "notes"):
+        table.add_column(column, justify="right")
+    for system, r in results.items():
+        rate = r["tokens"] / r["seconds"]
+        ratio = f"{rate / (base['tokens'] / base['seconds']):.2f}" if base else "-"
+        notes = ""
+        if "roofline" in r:
+            roof = r["roofline"]
+            notes = (f"mean batch {r['mean_batch']:.1f}, KV use at peak {r['kv_utilisation_at_peak']:.1%}; "
+                     f"roofline {roof['tokens_per_s']:.0f} tok/s ({roof['gflops']:.0f} GFLOP/s, "
+                     f"{roof['gbps']:.0f} GB/s): {rate / roof['tokens_per_s']:.0%} of it")
+        table.add_row(system, f"{rate:.1f}", ratio, f"{r['peak_rss_mb']:.0f}", notes)
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()

