@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from worker.engine import kernels
+
 ATTN_IMPLEMENTATION = "streambatch_paged"
 # Padded context tokens per batched decode call, per device type (see the module docstring).
 DECODE_GROUP_TOKENS = {"cpu": 4096, "cuda": 1 << 20}
@@ -70,6 +72,7 @@ class AttentionMetadata:
     # Sequences with exactly one new token (decodes, or a 1-token last chunk): batched calls.
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    native_decode: bool
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict, repr=False)  # masks per (group, window), shared by layers
 
@@ -91,10 +94,15 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         decode_group_tokens: int | None = None,
+        native_decode: bool | None = None,
     ) -> AttentionMetadata:
         """Plain Python per-sequence data -> tensors. Sequence i's new tokens take positions
         num_computed[i] .. num_computed[i] + num_new[i] - 1. decode_group_tokens caps the padded
-        context of one batched decode call (default: DECODE_GROUP_TOKENS[device type])."""
+        context of one batched decode call (default: DECODE_GROUP_TOKENS[device type]).
+        native_decode: read decodes straight from the cache with the C++ kernel (default: on
+        CPU when it builds); it pads nothing, so all decodes form one group."""
+        if native_decode is None:
+            native_decode = torch.device(device).type == "cpu" and kernels.native() is not None
         if not (len(num_computed) == len(num_new) == len(block_tables)) or not num_new:
             raise ValueError("num_computed, num_new and block_tables need one entry per sequence (at least one)")
         seq_lens = [c + n for c, n in zip(num_computed, num_new)]
@@ -116,6 +124,8 @@ class AttentionMetadata:
         # Decodes sorted by length and cut into groups of bounded padded size: less padding, and
         # on CPU each group's gathered K/V stays in cache between the gather and the attention.
         cap = decode_group_tokens or DECODE_GROUP_TOKENS.get(torch.device(device).type, DECODE_GROUP_TOKENS["cpu"])
+        if native_decode:
+            cap = float("inf")
         groups: list[list[int]] = [[]]
         for i in sorted((i for i, n in enumerate(num_new) if n == 1), key=seq_lens.__getitem__):
             padded = -(-seq_lens[i] // block_size) * block_size  # i is the longest of its group so far
@@ -144,6 +154,7 @@ class AttentionMetadata:
             query_start_loc_list=query_start_loc,
             decode_groups=[cls._decode_group(g, starts, tables, seq_lens, block_size, to) for g in groups if g],
             prefills=prefills,
+            native_decode=native_decode,
             kv_caches=kv_caches if kv_caches is not None else [],
         )
 
@@ -204,6 +215,12 @@ def paged_attention(
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for g, decodes in enumerate(meta.decode_groups):
         n, kv_len = decodes.rows.numel(), decodes.max_blocks * block_size
+        if meta.native_decode:
+            q = query[0].transpose(0, 1).index_select(0, decodes.rows)
+            o = kernels.paged_decode(q, k_cache, v_cache, decodes.blocks.view(n, -1), decodes.seq_lens,
+                                     scaling or head_dim ** -0.5, sliding_window)
+            out.index_copy_(0, decodes.rows, o)
+            continue
         # Heads h = kv*group + j share KV head kv: fold the group into the query axis (no K/V repeat).
         q = query[0].transpose(0, 1).index_select(0, decodes.rows).view(n, num_kv_heads, group, head_dim)
         k = k_cache.index_select(0, decodes.blocks).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)

@@ -1,0 +1,41 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension builder.
+
+`paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp).
+The build (about a minute, once per machine; cached by torch under
+~/.cache/torch_extensions) needs a C++ compiler and ninja. When it cannot be built, callers
+fall back to the pure-torch gather + SDPA path: slower, same results.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+
+
+@functools.cache
+def native():
+    """The compiled module, or None (disabled with STREAMBATCH_NATIVE_KERNELS=0, or the build failed)."""
+    if os.environ.get("STREAMBATCH_NATIVE_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="streambatch_paged_decode", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as error:  # no compiler, no ninja, no headers: the torch path still works
+        log.warning("native paged-decode kernel unavailable, using the torch path: %s", error)
+        return None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """q [seqs, heads, dim] -> attention output [seqs, heads, dim], one token per sequence."""
+    return native().paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale,
+                                 sliding_window or 0)
