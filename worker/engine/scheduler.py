@@ -58,6 +58,7 @@ class Scheduler:
             seq.finish(FinishReason.ERROR, self.clock(), error=problem)
             self.pending_finished.append(seq)
             return seq
+        seq.length_limit = min(seq.num_prompt_tokens + seq.params.max_tokens, cfg.max_model_len)
         self.requests[seq.request_id] = seq
         self.waiting[seq.lane].append(seq)
         return seq
@@ -285,26 +286,27 @@ class Scheduler:
     # --- results of a step -------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> list[Sequence]:
         """Apply a step's results; returns the sequences that finished."""
-        now, max_model_len = self.clock(), self.config.max_model_len
+        # Runs for every sequence of every step: names are bound locally on purpose.
+        now, running, commit, decoding, token_of = self.clock(), Status.RUNNING, self.pool.commit, \
+            self.decoding, sampled.get
         finished = []
         for seq, num_tokens in plan.scheduled.items():
-            if seq.status is not Status.RUNNING:
+            if seq.status is not running:
                 continue  # ended while the step ran
             seq.num_computed_tokens += num_tokens
-            self.pool.commit(seq, num_tokens)
-            token = sampled.get(seq)
+            commit(seq, num_tokens)
+            token = token_of(seq)
             if token is None:
                 continue  # a prefill chunk that does not reach the end yet
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq not in self.decoding:
+            if seq not in decoding:
                 del self.prefilling[seq.lane][seq]
-                self.decoding[seq] = None
+                decoding[seq] = None
             if token in seq.stop_token_ids:
                 reason = FinishReason.STOP
-            elif (len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens
-                  or len(seq.token_ids) >= max_model_len):
+            elif len(seq.token_ids) >= seq.length_limit:
                 reason = FinishReason.LENGTH
             else:
                 continue

@@ -49,6 +49,7 @@ class Sequence:
     error: str | None = None
     num_preemptions: int = 0
     skipped_admissions: int = 0  # head-of-line aging: times it did not fit while others did
+    length_limit: int = 0  # total tokens at which it ends: prompt + max_tokens, or the model length
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
