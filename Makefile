@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/python -m ops.bench_scheduler --quick
+	$(BIN)/python -m ops.demo
 
 bench-scheduler: $(STAMP)
 	$(BIN)/python -m ops.bench_scheduler

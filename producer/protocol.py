@@ -1,11 +1,15 @@
-"""The wire contract shared by producer and worker: sampling parameters and the lane rule.
+"""The wire contract shared by producer and worker: THE one place both sides import.
 
-Every struct here is a msgspec Struct; `__post_init__` validates on construction and on
-decoding alike, so a bad value is refused with a clear message wherever it enters.
+Requests, events, sampling parameters, the lane rule and every Redis key name. Every
+struct is a msgspec Struct sent as msgpack; `__post_init__` validates on construction and
+on decoding alike, so a bad value is refused with a clear message wherever it enters.
 """
 
 from __future__ import annotations
 
+import re
+import time
+import uuid
 from typing import Literal
 
 import msgspec
@@ -99,3 +103,142 @@ class Timings(msgspec.Struct, frozen=True):
     queued: float  # arrival -> first scheduled
     ttft: float  # arrival -> first token
     total: float  # arrival -> finish
+
+
+# --- requests --------------------------------------------------------------------------
+PROTOCOL_VERSION = 1
+REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # ids end up inside key names
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_request_id(request_id: str) -> str:
+    if not isinstance(request_id, str) or not REQUEST_ID.fullmatch(request_id):
+        raise ValueError(f"request id must match [A-Za-z0-9_-]{{1,64}}, got {request_id!r:.80}")
+    return request_id
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    role: Role
+    content: str
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One generation request: exactly one of prompt / messages / prompt_ids."""
+
+    id: str = msgspec.field(default_factory=new_request_id)
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    prompt_ids: list[int] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    lane: Lane | None = None  # None: the lane rule decides
+    deadline: float | None = None  # unix seconds: not started by then -> finish reason "deadline"
+    submitted_at: float = msgspec.field(default_factory=time.time)
+    v: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        check_request_id(self.id)
+        if self.v != PROTOCOL_VERSION:
+            raise ValueError(f"unsupported protocol version {self.v}; this side speaks {PROTOCOL_VERSION}")
+        given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, messages, prompt_ids; got {given or 'none'}")
+        if self.prompt_ids is not None and any(t < 0 for t in self.prompt_ids):
+            raise ValueError("prompt_ids must be non-negative token ids")
+
+
+# --- events ----------------------------------------------------------------------------
+class TokenEvent(msgspec.Struct, tag="token", omit_defaults=True):
+    """New tokens of a request. `seq` numbers every event of a request from 0; `attempt`
+    counts deliveries (a request resumed on another worker continues the numbering)."""
+
+    seq: int
+    attempt: int
+    ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+
+
+class DoneEvent(msgspec.Struct, tag="done"):
+    seq: int
+    attempt: int
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    error: str | None = None
+
+
+class ErrorEvent(msgspec.Struct, tag="error"):
+    """The request failed or was refused; terminal, like DoneEvent."""
+
+    seq: int
+    attempt: int
+    code: str  # invalid_request | too_long | queue_full | dead_letter | internal
+    message: str
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+TERMINAL = (DoneEvent, ErrorEvent)
+
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_event_decoder = msgspec.msgpack.Decoder(Event)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Request | Event) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(data: bytes) -> Request:
+    """Raises msgspec.DecodeError / msgspec.ValidationError with the reason."""
+    return _request_decoder.decode(data)
+
+
+def decode_event(data: bytes) -> Event:
+    return _event_decoder.decode(data)
+
+
+# --- Redis layout ----------------------------------------------------------------------
+FIELD = b"m"  # the one field of a stream entry, holding an encoded request or event
+GROUP = "workers"
+
+
+class Keys:
+    """Every key and channel name. Keys of one request share a hash tag ({id}) so that in
+    Redis Cluster they live on one node."""
+
+    def __init__(self, prefix: str = "sb") -> None:
+        self.prefix = prefix
+        self.cancel_channel = f"{prefix}:cancel"
+        self.dead_letters = f"{prefix}:dead"
+
+    def requests(self, lane: Lane) -> str:
+        return f"{self.prefix}:req:{lane}"
+
+    def tokens(self, request_id: str) -> str:
+        return f"{self.prefix}:{{{request_id}}}:tok"
+
+    def replay(self, request_id: str) -> str:
+        return f"{self.prefix}:{{{request_id}}}:out"
+
+    def cancelled(self, request_id: str) -> str:
+        return f"{self.prefix}:{{{request_id}}}:cancelled"
+
+    def attempt(self, request_id: str) -> str:
+        """The request's current delivery attempt, set by the worker that claims it: the
+        worker's event writes are refused unless their attempt matches (fencing)."""
+        return f"{self.prefix}:{{{request_id}}}:attempt"
+
+    def submitted(self, request_id: str) -> str:
+        """Marks an id as taken (idempotent submit)."""
+        return f"{self.prefix}:{{{request_id}}}:submitted"
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:worker:{name}"
+
+    @property
+    def workers_pattern(self) -> str:
+        return f"{self.prefix}:worker:*"

@@ -1,0 +1,177 @@
+"""make demo: one worker on SmolLM2-135M behind Redis, a handful of chat prompts across
+both lanes streamed live, then a TTFT / inter-token latency / throughput summary.
+
+Starts a private redis-server on a free port unless one answers at --redis-url, starts
+`python -m worker`, waits for its heartbeat, streams the prompts (ops/demo_view.py), and
+stops everything it started: the worker with SIGTERM (it drains), then redis-server.
+
+    python -m ops.demo [--redis-url URL] [--model smollm2-135m] [--startup-timeout S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+from rich.console import Console
+from rich.markup import escape
+
+from ops.demo_view import CHAT_PROMPTS, summary, watch_prompts
+from producer import AsyncProducer
+from producer.protocol import Keys
+
+
+class DemoError(Exception):
+    """A step of the demo failed; the message says which and what to do."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", help="use this Redis if it answers (default: a private redis-server)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--name", default="demo-worker", help="the worker's name (its heartbeat key)")
+    parser.add_argument("--startup-timeout", type=float, default=120,
+                        help="seconds to wait for the worker's first heartbeat (a first run converts the model)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds the prompts may take")
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        run(console, redis_url=args.redis_url, name=args.name, startup_timeout=args.startup_timeout,
+            timeout=args.timeout, worker_command=[sys.executable, "-m", "worker", "--model", args.model])
+    except DemoError as error:
+        console.print(f"[red]demo failed:[/] {escape(str(error))}")
+        return 1
+    except KeyboardInterrupt:  # what the demo started is stopped by now
+        return 130
+    return 0
+
+
+def run(console: Console, *, redis_url: str | None, worker_command: list[str], name: str,
+        startup_timeout: float, timeout: float) -> None:
+    """`worker_command` gets `--redis-url URL --name NAME` appended."""
+    with tempfile.TemporaryDirectory(prefix="streambatch-demo-") as scratch, contextlib.ExitStack() as stack:
+        url = stack.enter_context(redis_at(redis_url, Path(scratch), console))
+        log = Path(scratch) / "worker.log"
+        command = [*worker_command, "--redis-url", url, "--name", name]
+        console.print(f"[bold]worker:[/] starting {' '.join(['python', *command[1:]])}")
+        worker = stack.enter_context(running_process(command, log))
+        with console.status("waiting for the worker's heartbeat (it loads the model first)..."):
+            wait_for_heartbeat(url, name, worker, log, startup_timeout)
+        console.print(f"[bold]worker:[/] {name} is up; submitting {len(CHAT_PROMPTS)} prompts")
+        watched, wall = asyncio.run(_watch_while_alive(url, worker, log, console, timeout))
+        console.print()
+        console.print(summary(watched, wall))
+
+
+@contextlib.contextmanager
+def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
+    """Yield a URL with a Redis behind it: `url` if it answers, else a private server."""
+    if url is not None and _answers(url):
+        console.print(f"[bold]redis:[/] using {url}")
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise DemoError("redis-server is not installed: run `make setup` (Debian package redis-server)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    private = f"redis://127.0.0.1:{port}/0"
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--dir", str(scratch)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10
+        while not _answers(private):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise DemoError(f"redis-server did not start on port {port}: "
+                                f"{process.stderr.read().decode(errors='replace').strip()}")
+            time.sleep(0.05)
+        why = "" if url is None else f" (nothing answers at {url})"
+        console.print(f"[bold]redis:[/] started a private redis-server at {private}{why}")
+        yield private
+    finally:
+        _stop(process, grace=10)
+
+
+@contextlib.contextmanager
+def running_process(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """Run `command` with its output in `log`; on the way out SIGTERM it (the worker
+    drains on SIGTERM) and kill it if it is still there after the grace period."""
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            _stop(process, grace=30)
+
+
+def wait_for_heartbeat(url: str, name: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    client = redis.Redis.from_url(url)
+    key = Keys().worker(name)
+    deadline = time.monotonic() + timeout
+    while not client.exists(key):
+        _check_alive(process, log)
+        if time.monotonic() > deadline:
+            raise DemoError(f"no heartbeat from the worker ({key}) after {timeout:.0f} s; "
+                            f"its last output:\n{last_lines(log)}")
+        time.sleep(0.25)
+
+
+async def _watch_while_alive(url: str, worker: subprocess.Popen, log: Path, console: Console, timeout: float):
+    """Stream the prompts; if the worker dies meanwhile, say so at once instead of
+    waiting for the streams to time out."""
+    async with AsyncProducer(url) as producer:
+        watching = asyncio.ensure_future(watch_prompts(producer, CHAT_PROMPTS, console, timeout))
+        while not watching.done():
+            await asyncio.wait([watching], timeout=0.5)
+            if not watching.done() and worker.poll() is not None:
+                watching.cancel()
+                _check_alive(worker, log)
+        try:
+            return watching.result()
+        except TimeoutError as error:
+            raise DemoError(f"{error}; the worker's last output:\n{last_lines(log)}") from None
+
+
+def _check_alive(process: subprocess.Popen, log: Path) -> None:
+    if process.poll() is not None:
+        raise DemoError(f"the worker exited with status {process.returncode}; its last output:\n"
+                        f"{last_lines(log)}")
+
+
+def last_lines(log: Path, count: int = 20) -> str:
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join(f"  | {line}" for line in lines[-count:]) or "  (no output)"
+
+
+def _answers(url: str) -> bool:
+    try:
+        return redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping()
+    except redis.RedisError:
+        return False
+
+
+def _stop(process: subprocess.Popen, grace: float) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""python -m producer: submit, stream, wait for, cancel requests; show the queues.
+
+    python -m producer submit "Why is the sky blue?" --chat --stream --max-tokens 64
+    python -m producer result ID          python -m producer stats
+
+Text goes to stdout as it arrives (pipe-friendly); ids, summaries and errors go to
+stderr. Exit status: 0 done, 1 the request ended in an error or the producer refused /
+failed / timed out, 2 bad command line, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import msgspec
+import redis
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from producer.client import DEFAULT_URL, Producer
+from producer.completion import Completion
+from producer.errors import ProducerError
+from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    errors = Console(stderr=True, highlight=False)
+    try:
+        with Producer(args.redis_url, prefix=args.prefix) as producer:
+            return args.run(producer, args, errors)
+    except (ProducerError, TimeoutError) as error:
+        errors.print(f"[red]error:[/] {escape(str(error))}")
+    except redis.ConnectionError as error:
+        errors.print(f"[red]error:[/] cannot reach Redis at {args.redis_url}: {escape(str(error))}")
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__.split("\n")[0])
+    parser.add_argument("--redis-url", default=os.environ.get("STREAMBATCH_REDIS_URL", DEFAULT_URL),
+                        help="default: $STREAMBATCH_REDIS_URL or %(default)s")
+    parser.add_argument("--prefix", default="sb", help="key prefix shared with the workers")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    submit = commands.add_parser("submit", help="enqueue a request; print its id, or --stream it")
+    submit.add_argument("text")
+    submit.add_argument("--chat", action="store_true", help="send as a user message (chat template)")
+    submit.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    submit.add_argument("--max-tokens", type=int, default=256)
+    submit.add_argument("--temperature", type=float, default=1.0)
+    submit.add_argument("--seed", type=int)
+    submit.add_argument("--lane", choices=LANES, help="default: the lane rule decides")
+    submit.add_argument("--id", help="request id (default: generated); submitting an id twice runs it once")
+    submit.add_argument("--timeout", type=float, help="with --stream: give up after this many seconds")
+    submit.set_defaults(run=_submit)
+
+    for name, run, what in (("stream", _stream, "print a request's text as it is generated"),
+                            ("result", _result, "wait for a request and print its text")):
+        command = commands.add_parser(name, help=what)
+        command.add_argument("id")
+        command.add_argument("--timeout", type=float)
+        if name == "result":
+            command.add_argument("--json", action="store_true", help="print the whole completion as JSON")
+        command.set_defaults(run=run)
+
+    cancel = commands.add_parser("cancel", help="ask the worker to stop a request")
+    cancel.add_argument("id")
+    cancel.set_defaults(run=_cancel)
+
+    stats = commands.add_parser("stats", help="lane backlogs, pending, live workers, dead letters")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(run=_stats)
+    return parser
+
+
+def _submit(producer: Producer, args, errors: Console) -> int:
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    prompt = {"messages": [{"role": "user", "content": args.text}]} if args.chat else {"prompt": args.text}
+    handle = producer.submit(**prompt, params={k: v for k, v in params.items() if v is not None},
+                             lane=args.lane, request_id=args.id)
+    if not args.stream:
+        print(handle.id)
+        return 0
+    again = ", submitted before" if handle.duplicate else ""
+    errors.print(f"[dim]{handle.id} ({handle.lane} lane{again})[/]")
+    try:
+        return _print_stream(producer, handle.id, args.timeout, errors)
+    except KeyboardInterrupt:
+        producer.cancel(handle.id)  # nobody is left to read it: free the worker
+        errors.print(f"\n[yellow]interrupted: cancelled {handle.id}[/]")
+        return 130
+
+
+def _stream(producer: Producer, args, errors: Console) -> int:
+    return _print_stream(producer, args.id, args.timeout, errors)
+
+
+def _print_stream(producer: Producer, request_id: str, timeout: float | None, errors: Console) -> int:
+    started = time.monotonic()
+    for event in producer.stream(request_id, timeout):
+        if isinstance(event, TokenEvent):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, DoneEvent):
+            print()
+            errors.print(f"[dim]\\[{event.finish_reason} · {event.usage.completion_tokens} tokens · "
+                         f"TTFT {event.timings.ttft:.2f} s · total {event.timings.total:.2f} s · "
+                         f"watched {time.monotonic() - started:.2f} s][/]")
+            if event.error:
+                errors.print(f"[red]error:[/] {escape(event.error)}")
+            return 1 if event.finish_reason == "error" else 0
+        elif isinstance(event, ErrorEvent):
+            print()
+            errors.print(f"[red]error:[/] {escape(f'{event.code}: {event.message}')}")
+            return 1
+    raise AssertionError("a stream always ends with a terminal event")
+
+
+def _result(producer: Producer, args, errors: Console) -> int:
+    completion = producer.result(args.id, args.timeout)
+    if args.json:
+        print(msgspec.json.encode(completion).decode())
+    else:
+        print(completion.text)
+        errors.print(f"[dim]{escape(_summary(completion))}[/]")
+    return 0 if completion.ok else 1
+
+
+def _summary(completion: Completion) -> str:
+    if completion.error:
+        return f"error: {completion.error}"
+    return (f"[{completion.finish_reason} · {completion.usage.completion_tokens} tokens · "
+            f"TTFT {completion.timings.ttft:.2f} s · total {completion.timings.total:.2f} s]")
+
+
+def _cancel(producer: Producer, args, errors: Console) -> int:
+    producer.cancel(args.id)
+    errors.print(f"cancel requested for {args.id}")
+    return 0
+
+
+def _stats(producer: Producer, args, errors: Console) -> int:
+    stats = producer.stats()
+    if args.json:
+        print(msgspec.json.encode(stats).decode())
+        return 0
+    lanes = Table("lane", "backlog", "pending", title="lanes")
+    for lane, lane_stats in stats.lanes.items():
+        lanes.add_row(lane, str(lane_stats.backlog), str(lane_stats.pending))
+    workers = Table("worker", "model", "running", "waiting", "KV usage", "tokens/s", "up",
+                    title="live workers")
+    for worker in stats.workers:
+        workers.add_row(escape(worker.name), escape(worker.model or "?"), _show(worker.running), _show(worker.waiting),
+                        _show(worker.kv_usage, "{:.0%}"), _show(worker.tokens_per_s, "{:.1f}"),
+                        _show(worker.uptime, "{:.0f} s"))
+    out = Console(highlight=False)
+    out.print(lanes, workers if stats.workers else "[yellow]no live workers[/]")
+    out.print(f"dead letters: {stats.dead_letters}")
+    return 0
+
+
+def _show(value, style: str = "{}") -> str:
+    return "-" if value is None else style.format(value)

@@ -1,0 +1,81 @@
+"""ops/demo.py with the fake worker standing in for `python -m worker` (no model), and the
+summary arithmetic on its own."""
+
+import io
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+from rich.console import Console
+
+from ops.demo import DemoError, redis_at, run
+from ops.demo_view import CHAT_PROMPTS, Watched, panels, percentile, summary
+from producer import DoneEvent
+from producer.protocol import Timings, Usage
+
+FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py")), "--step-delay", "0.005"]
+
+
+def console() -> Console:
+    return Console(file=io.StringIO(), width=120)
+
+
+def test_the_demo_runs_end_to_end_and_cleans_up():
+    screen = console()
+    run(screen, redis_url=None, worker_command=FAKE_WORKER, name="demo-test", startup_timeout=30, timeout=60)
+    out = screen.file.getvalue()
+    assert f"{len(CHAT_PROMPTS)} requests (0 failed)" in out and "tokens/s" in out
+    assert "capital · fast" in out and "story · normal" in out  # both lanes, one panel each
+    assert "What is the capital of France?" in out  # the fake worker echoes the prompt
+    url = re.search(r"private redis-server at (\S+)", out).group(1)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()  # stopped on the way out
+
+
+def test_a_worker_that_dies_while_loading_is_reported_with_its_output(redis_url):
+    screen = console()
+    dying = [sys.executable, "-c", "import sys; print('loading the model'); sys.exit('out of memory')"]
+    with pytest.raises(DemoError, match=r"(?s)exited with status 1.*loading the model.*out of memory"):
+        run(screen, redis_url=redis_url, worker_command=dying, name="doomed", startup_timeout=30, timeout=5)
+    assert f"using {redis_url}" in screen.file.getvalue()  # a Redis that answers is used as is
+
+
+def test_a_worker_that_never_beats_times_out(redis_url):
+    silent = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(DemoError, match="no heartbeat from the worker .sb:worker:quiet. after 1 s"):
+        run(console(), redis_url=redis_url, worker_command=silent, name="quiet", startup_timeout=1, timeout=5)
+
+
+def test_nothing_at_the_url_means_a_private_server(tmp_path):
+    screen = console()
+    with redis_at("redis://127.0.0.1:1/0", tmp_path, screen) as url:
+        assert url != "redis://127.0.0.1:1/0" and redis.Redis.from_url(url).ping()
+    assert "nothing answers at redis://127.0.0.1:1/0" in screen.file.getvalue()
+
+
+def test_summary_numbers():
+    done = DoneEvent(seq=3, attempt=1, finish_reason="stop", usage=Usage(3, 3), timings=Timings(0.1, 0.2, 0.5))
+    fast = Watched("a", "fast", submitted=0.0, arrivals=[(0.2, 1), (0.3, 1), (0.5, 2)], end=done)
+    slow = Watched("b", "normal", submitted=0.0, arrivals=[(1.0, 1)], end=None)  # never finished
+    assert fast.tokens == 4 and fast.ttft == 0.2
+    assert fast.inter_token_latencies == pytest.approx([0.1, 0.1])
+    assert percentile([3, 1, 2], 0.5) == 2 and percentile([], 0.9) is None
+    screen = console()
+    screen.print(summary([fast, slow], wall=2.0))
+    out = screen.file.getvalue()
+    assert "2 requests (1 failed), 5 tokens in 2.0 s: 2.5 tokens/s" in out
+    assert re.search(r"TTFT \(s\)\s+│\s+1\.000\s+│\s+1\.000\s+│\s+1\.000", out)
+    assert re.search(r"inter-token latency \(ms\)\s+│\s+100\.0", out)
+
+
+def test_panels_show_model_output_verbatim_and_crop_to_the_tail():
+    seen = Watched("odd", "fast", submitted=0.0, text="[/INST] [bold]x\n" + "line\n" * 20 + "last words")
+    screen = console()
+    screen.print(panels([seen]))
+    assert "[/INST] [bold]x" in screen.file.getvalue()  # not taken for rich markup
+    screen = console()
+    screen.print(panels([seen], crop=(3, 60)))
+    assert "…line" in screen.file.getvalue() and "last words" in screen.file.getvalue()
+    assert "INST" not in screen.file.getvalue()

@@ -1,0 +1,105 @@
+"""Worker test helpers: in-process workers on the tiny random model (requests use prompt_ids),
+driven turn by turn with `poll()`, and readers of what they wrote to Redis."""
+
+import random
+import time
+
+import pytest
+import redis
+
+from producer.protocol import FIELD, LANES, TERMINAL, Keys, Request, SamplingParams, decode_event, encode
+from worker.config import WorkerConfig
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.models import load_model
+from worker.service import Worker
+
+MODEL = "random:llama"
+NUM_BLOCKS = 256
+KEYS = Keys("sb")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def prompts_of(count: int, seed: int = 0, low: int = 3, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 500) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def model(one_thread):
+    return load_model(MODEL)[0]
+
+
+@pytest.fixture
+def client(redis_url):
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def make_worker(redis_url, model):
+    """Workers sharing the loaded model; each with its own engine, closed after the test."""
+    workers = []
+
+    def make(name: str = "w1", engine_options: dict | None = None, **options) -> Worker:
+        options = {"heartbeat_interval": 0.2, "reclaim_idle_ms": 60_000} | options
+        engine = EngineConfig.from_options(MODEL, **{"num_blocks": NUM_BLOCKS} | (engine_options or {}))
+        config = WorkerConfig(engine=engine, redis_url=redis_url, name=name, **options)
+        worker = Worker(config, engine=Engine(engine, model=model))
+        workers.append(worker)
+        return worker
+
+    yield make
+    for worker in workers:
+        worker.close()
+
+
+def offline(model, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Greedy tokens of the engine run directly, without Redis."""
+    engine = Engine(EngineConfig.from_options(MODEL, num_blocks=NUM_BLOCKS), model=model)
+    for i, (prompt, request_params) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt_ids=prompt, params=request_params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished:
+        for output in engine.step():
+            tokens[output.request_id] += output.token_ids
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def submit(client, request: Request, lane: str = "normal") -> str:
+    return client.xadd(KEYS.requests(lane), {FIELD: encode(request)}).decode()
+
+
+def replay(client, request_id: str) -> list:
+    return [decode_event(fields[FIELD]) for _, fields in client.xrange(KEYS.replay(request_id))]
+
+
+def is_finished(client, request_id: str) -> bool:
+    events = replay(client, request_id)
+    return bool(events) and isinstance(events[-1], TERMINAL)
+
+
+def backlog(client) -> int:
+    return sum(client.xlen(KEYS.requests(lane)) for lane in LANES)
+
+
+def tokens_of(events: list) -> list[int]:
+    return [token for event in events if hasattr(event, "ids") for token in event.ids]
+
+
+def assert_numbered(events: list) -> None:
+    """seq 0..n, each once, in order; the last event and only the last is terminal."""
+    assert [event.seq for event in events] == list(range(len(events)))
+    assert [isinstance(event, TERMINAL) for event in events] == [False] * (len(events) - 1) + [True]
+
+
+def run_until(workers: list[Worker], done, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        for worker in workers:
+            worker.poll()

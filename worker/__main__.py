@@ -1,0 +1,42 @@
+"""python -m worker --redis-url URL --model MODEL [engine flags] [--metrics-port P] [--name NAME]
+
+SIGTERM (or Ctrl-C) drains: intake stops, running requests get --drain-timeout seconds to
+finish, the rest are handed back to the other workers, and the process exits 0. A second
+Ctrl-C quits at once (what it held is reclaimed once idle).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Sequence
+
+from worker.config import parse_config
+from worker.logs import configure_logging
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    configure_logging(config.log_level)
+    # only now: --help and a bad flag answer at once, without loading torch and transformers
+    import torch
+
+    from worker.service import Worker
+
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    worker = Worker(config)
+
+    def on_signal(signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and worker.stopping:
+            raise KeyboardInterrupt
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The worker's configuration: one msgspec Struct, from CLI flags and STREAMBATCH_* variables.
+
+Precedence: the flag, then its variable (`--token-budget` <- STREAMBATCH_TOKEN_BUDGET), then
+the default. The engine flags are generated from EngineConfig and SchedulerConfig fields and
+go through `EngineConfig.from_options`, so they carry the engine's own names and checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from worker.engine.config import EngineConfig
+from worker.engine.scheduler_config import SchedulerConfig
+
+ENV_PREFIX = "STREAMBATCH_"
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    redis_url: str = "redis://localhost:6379/0"
+    name: str = msgspec.field(default_factory=default_name)
+    prefix: str = "sb"
+    metrics_port: int | None = None  # 0 picks a free port
+    threads: int | None = None  # torch threads; None keeps torch's default
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    drain_timeout: float = 30.0
+    heartbeat_interval: float = 2.0
+    reclaim_idle_ms: int = 30_000
+    max_deliveries: int = 3
+    intake_ahead: int = 8
+    replay_maxlen: int = 10_000
+    replay_ttl: int = 600
+
+    def __post_init__(self) -> None:
+        checks = [
+            (bool(self.name.strip()), "name must not be empty"),
+            (self.heartbeat_interval > 0, f"heartbeat_interval must be > 0, got {self.heartbeat_interval}"),
+            (self.reclaim_idle_ms >= 3000 * self.heartbeat_interval,
+             f"reclaim_idle_ms ({self.reclaim_idle_ms}) must be at least 3 heartbeat intervals, or "
+             "live workers would take each other's requests"),
+            (self.drain_timeout >= 0, f"drain_timeout must be >= 0, got {self.drain_timeout}"),
+            (self.max_deliveries >= 1, f"max_deliveries must be >= 1, got {self.max_deliveries}"),
+            (self.intake_ahead >= 1, f"intake_ahead must be >= 1, got {self.intake_ahead}"),
+            (self.replay_ttl >= 1, f"replay_ttl must be >= 1 s, got {self.replay_ttl}"),
+            (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ValueError("invalid worker config: " + "; ".join(problems))
+
+    @property
+    def heartbeat_ttl_ms(self) -> int:
+        """The heartbeat key outlives a missed beat by a few seconds."""
+        return int((self.heartbeat_interval + 3) * 1000)
+
+    @property
+    def block_ms(self) -> int:
+        """How long an idle worker's blocking read waits: short enough to keep beating."""
+        return max(1, int(min(self.heartbeat_interval / 2, 1.0) * 1000))
+
+
+WORKER_FLAGS = {
+    "redis_url": "Redis URL",
+    "name": "consumer name in the group, and heartbeat key (default: host-pid)",
+    "prefix": "key prefix shared with the producers",
+    "metrics_port": "serve Prometheus /metrics on this port (0: any free port)",
+    "threads": "torch threads",
+    "log_level": "debug, info, warning or error",
+    "drain_timeout": "seconds SIGTERM lets running requests finish before handing the rest back",
+    "heartbeat_interval": "seconds between heartbeats, in-flight refreshes, reclaims and cancel sweeps",
+    "reclaim_idle_ms": "take over another worker's request once its entry is idle this long",
+    "max_deliveries": "dead-letter a request delivered more often than this",
+    "intake_ahead": "requests kept waiting in the engine; more stay in Redis for idle workers",
+    "replay_maxlen": "approximate cap on a request's replay stream (must hold all its events)",
+    "replay_ttl": "seconds a finished request's events stay readable",
+}
+ENGINE_OPTIONS: dict[str, msgspec.structs.FieldInfo] = {
+    field.name: field for struct, skip in ((EngineConfig, {"model", "scheduler"}), (SchedulerConfig, {"max_model_len"}))
+    for field in msgspec.structs.fields(struct) if field.name not in skip
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker", description="Serve an LLM from Redis lane streams.",
+                                     epilog=f"Every flag can also come from {ENV_PREFIX}<NAME>, "
+                                            f"e.g. {ENV_PREFIX}TOKEN_BUDGET.")
+    parser.add_argument("--model", help=f"model name or path (default {EngineConfig.model})")
+    defaults = {field.name: field.default for field in msgspec.structs.fields(WorkerConfig)}
+    for name, description in WORKER_FLAGS.items():
+        default = defaults[name] if name != "name" else None
+        parser.add_argument(flag(name), help=description + (f" (default {default})" if default is not None else ""))
+    engine = parser.add_argument_group("engine options (see worker/engine/config.py)")
+    for name, field in ENGINE_OPTIONS.items():
+        action = argparse.BooleanOptionalAction if field.type is bool else "store"
+        engine.add_argument(flag(name), action=action, help=f"default {field.default}")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Flags, then variables, then defaults; exits with a usage message on a bad value."""
+    parser = build_parser()
+    environ = os.environ if environ is None else environ
+    flags = vars(parser.parse_args(argv))
+    raw: dict[str, Any] = {}
+    for name, value in flags.items():
+        value = value if value is not None else environ.get(ENV_PREFIX + name.upper())
+        if value is not None:
+            raw[name] = value
+    model = raw.pop("model", EngineConfig.model)
+    try:
+        engine_options = {name: _engine_option(name, raw.pop(name)) for name in list(raw) if name in ENGINE_OPTIONS}
+        engine = EngineConfig.from_options(model, **engine_options)
+        return msgspec.convert(raw | {"engine": engine}, WorkerConfig, strict=False)
+    except (msgspec.ValidationError, ValueError) as error:
+        parser.error(str(error))
+
+
+def _engine_option(name: str, value: Any) -> Any:
+    try:
+        return msgspec.convert(value, ENGINE_OPTIONS[name].type, strict=False)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"{flag(name)}: {error}") from None

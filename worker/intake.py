@@ -1,0 +1,138 @@
+"""Lane streams -> requests: the consumer group, a read that takes only what the engine can
+admit soon, strict decoding, acks and dead letters.
+
+Backpressure rule: read nothing while free KV blocks are under the scheduler's watermark
+(a full pool admits nobody), otherwise read until `intake_ahead` requests wait in the
+engine. Everything beyond stays in Redis, where idle workers' blocking reads pick it up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis
+
+from producer.protocol import FIELD, GROUP, LANES, REQUEST_ID, Keys, Request, decode_request
+from worker.engine.engine import Engine
+
+DEAD_LETTERS_MAXLEN = 100_000  # approximate: a flood of garbage must not grow Redis without bound
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a lane stream, as read or reclaimed."""
+
+    stream: str
+    entry_id: str
+    fields: dict[bytes, bytes]
+    deliveries: int = 1
+
+    @property
+    def payload(self) -> bytes:
+        """The encoded request; the whole entry, re-encoded, when its one field is missing."""
+        return self.fields[FIELD] if FIELD in self.fields else msgspec.msgpack.encode(self.fields)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An entry that is not a valid request; `request_id` when one could be read from it."""
+
+    reason: str
+    request_id: str | None
+
+
+def decode_entry(entry: Entry) -> Request | Rejected:
+    data = entry.fields.get(FIELD)
+    if data is None:
+        return Rejected(f"entry has no {FIELD.decode()!r} field", None)
+    try:
+        return decode_request(data)
+    except (msgspec.DecodeError, RecursionError) as error:  # ValidationError included: types, ranges, id, lane
+        return Rejected(f"invalid request: {error}", usable_id(data))
+
+
+def usable_id(data: bytes) -> str | None:
+    """The id of an entry that failed strict decoding, if it is a map with a well-formed id."""
+    try:
+        message = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):  # garbage, or nesting deep enough to exhaust the stack
+        return None
+    request_id = message.get("id") if isinstance(message, dict) else None
+    return request_id if isinstance(request_id, str) and REQUEST_ID.fullmatch(request_id) else None
+
+
+def engine_prompt(request: Request) -> dict[str, Any]:
+    """The request's one prompt, as `Engine.add_request` takes it."""
+    if request.prompt is not None:
+        return {"prompt": request.prompt}
+    if request.messages is not None:
+        return {"messages": [msgspec.structs.asdict(message) for message in request.messages]}
+    return {"prompt_ids": request.prompt_ids}
+
+
+def intake_room(engine: Engine, ahead: int) -> int:
+    """How many requests to take now (the backpressure rule above)."""
+    pool, scheduler = engine.pool, engine.scheduler
+    if scheduler.running and pool.num_free_blocks < scheduler.config.watermark * pool.num_blocks:
+        return 0
+    return max(0, ahead - scheduler.num_waiting)
+
+
+class Intake:
+    def __init__(self, client: redis.Redis, blocking: redis.Redis, keys: Keys, consumer: str) -> None:
+        """`blocking` is a connection without a socket timeout, used only for BLOCK reads."""
+        self.client, self.blocking, self.keys, self.consumer = client, blocking, keys, consumer
+        self.streams = [keys.requests(lane) for lane in LANES]  # fast lane first
+
+    def ensure_groups(self) -> None:
+        for stream in self.streams:
+            try:
+                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as error:
+                if "BUSYGROUP" not in str(error):
+                    raise
+
+    def read(self, room: int, block_ms: int | None = None) -> list[Entry]:
+        """Up to `room` new entries, fast lane first. With `block_ms`, wait that long for the
+        first one (only when the engine is idle: the wait would stall running requests)."""
+        if room <= 0:
+            return []
+        try:
+            if block_ms is not None:
+                reply = self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(self.streams, ">"),
+                                                 count=room, block=block_ms)
+                return self._entries(reply)
+            entries: list[Entry] = []
+            for stream in self.streams:
+                if len(entries) < room:
+                    entries += self._entries(self.client.xreadgroup(GROUP, self.consumer, {stream: ">"},
+                                                                    count=room - len(entries)))
+            return entries
+        except redis.ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            self.ensure_groups()  # a lane stream was deleted under us
+            return []
+
+    @staticmethod
+    def _entries(reply) -> list[Entry]:
+        return [Entry(stream.decode(), entry_id.decode(), fields)
+                for stream, messages in reply or [] for entry_id, fields in messages]
+
+    def ack(self, entries: Iterable[Entry], dead_letters: Iterable[tuple[Entry, str, str | None]] = ()) -> None:
+        """Done with these entries and with the dead letters (entry, reason, request id), which
+        are recorded first: XACK and XDEL each, so that a lane stream's length is its backlog."""
+        pipe = self.client.pipeline(transaction=False)
+        entries = list(entries)
+        for entry, reason, request_id in dead_letters:
+            pipe.xadd(self.keys.dead_letters, {"id": request_id or "", "reason": reason, "entry": entry.payload,
+                                               "stream": entry.stream, "entry_id": entry.entry_id},
+                      maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
+            entries.append(entry)
+        for entry in entries:
+            pipe.xack(entry.stream, GROUP, entry.entry_id)
+            pipe.xdel(entry.stream, entry.entry_id)
+        pipe.execute()

@@ -1,0 +1,83 @@
+"""Engine outputs -> protocol events, and one MULTI round trip per step that writes them all.
+
+Each request's events go through FENCED_WRITE: append to its replay stream (capped, with a
+TTL) and publish on its channel, only while its attempt key still holds this worker's
+attempt. A worker that stalled past the reclaim threshold, and so lost a request to
+another, cannot write one event more: the script answers 0 and the worker drops the
+request without acking it. Numbering (`seq`) is per request and continues across attempts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import redis
+
+from producer.protocol import FIELD, TERMINAL, DoneEvent, ErrorEvent, Event, Keys, TokenEvent, encode
+from worker.engine.outputs import RequestOutput
+from worker.flight import Flight
+
+FENCED_WRITE = """
+-- KEYS: attempt key, replay stream. ARGV: attempt, channel, field, maxlen, ttl, event...
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+for i = 6, #ARGV do
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], ARGV[i])
+  redis.call('PUBLISH', ARGV[2], ARGV[i])
+end
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+
+class Outbox:
+    def __init__(self, client: redis.Redis, keys: Keys, replay_maxlen: int, replay_ttl: int) -> None:
+        self.client, self.keys = client, keys
+        self.replay_maxlen, self.replay_ttl = replay_maxlen, replay_ttl
+        self.sha = client.script_load(FENCED_WRITE)
+
+    # --- events ------------------------------------------------------------------------
+    def add_output(self, flight: Flight, output: RequestOutput) -> None:
+        if output.token_ids or output.text:
+            self._add(flight, TokenEvent(seq=flight.next_seq, attempt=flight.attempt, ids=output.token_ids,
+                                         text=output.text, logprobs=output.logprobs or None))
+        if output.finished:
+            self._add(flight, DoneEvent(seq=flight.next_seq, attempt=flight.attempt,
+                                        finish_reason=output.finish_reason, usage=output.usage,
+                                        timings=output.timings, error=output.error))
+
+    def add_error(self, flight: Flight, code: str, message: str) -> None:
+        self._add(flight, ErrorEvent(seq=flight.next_seq, attempt=flight.attempt, code=code, message=message))
+
+    @staticmethod
+    def _add(flight: Flight, event: Event) -> None:
+        flight.pending.append(encode(event))
+        flight.next_seq += 1
+        flight.finished = flight.finished or isinstance(event, TERMINAL)
+
+    # --- the step's one round trip -----------------------------------------------------
+    def flush(self, flights: Iterable[Flight]) -> list[tuple[Flight, bool]]:
+        """Write every pending event; -> (flight, written) for each flight that had some,
+        written=False meaning another worker holds the request now."""
+        batch = [flight for flight in flights if flight.pending]
+        if not batch:
+            return []
+        try:
+            written = self._write(batch)
+        except redis.exceptions.NoScriptError:  # the server lost its script cache (restart, SCRIPT FLUSH)
+            self.sha = self.client.script_load(FENCED_WRITE)
+            written = self._write(batch)
+        for flight in batch:
+            flight.pending.clear()
+        return [(flight, bool(ok)) for flight, ok in zip(batch, written)]
+
+    def _write(self, batch: list[Flight]) -> list[int]:
+        pipe = self.client.pipeline(transaction=True)
+        for flight in batch:
+            request_id = flight.request_id
+            pipe.evalsha(self.sha, 2, self.keys.attempt(request_id), self.keys.replay(request_id),
+                         flight.attempt, self.keys.tokens(request_id), FIELD, self.replay_maxlen,
+                         self.replay_ttl, *flight.pending)
+        return pipe.execute()

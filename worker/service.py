@@ -1,0 +1,255 @@
+"""The worker loop: intake -> engine.step() -> outbox, with housekeeping every heartbeat.
+
+One `poll()` is one turn:
+  1. housekeeping when due: refresh our entries (dropping those another worker took), sweep
+     the cancel keys, reclaim idle entries of dead workers, beat;
+  2. cancellations nudged on the cancel channel;
+  3. intake, as much as the backpressure rule allows (a blocking read only when idle);
+  4. deadlines of requests not started yet, then one engine step;
+  5. the outbox writes the turn's events in one round trip; finished entries are acked.
+
+A Redis error drops every request held: their entries stay pending, and a reclaim (ours or
+another worker's) resumes each from its replay stream, so nothing is written twice.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+import structlog
+
+from producer.protocol import LANES, Keys, Request
+from worker.cancels import Cancels
+from worker.claims import Claim, Claims
+from worker.config import WorkerConfig
+from worker.engine.engine import Engine
+from worker.engine.inputs import PromptError
+from worker.engine.sequence import FinishReason
+from worker.flight import Flight
+from worker.heartbeat import Heartbeat
+from worker.intake import Entry, Intake, Rejected, decode_entry, engine_prompt, intake_room
+from worker.metrics import Metrics
+from worker.outbox import Outbox
+
+REDIS_RETRY_S = 1.0
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.engine = engine or Engine(config.engine)
+        if config.replay_maxlen <= self.engine.max_model_len:
+            raise ValueError(f"replay_maxlen ({config.replay_maxlen}) must exceed the model length "
+                             f"({self.engine.max_model_len}): every event of a request must stay replayable")
+        self.keys = Keys(config.prefix)
+        self.client = redis.Redis.from_url(config.redis_url)
+        unbounded = redis.Redis.from_url(config.redis_url, socket_timeout=None)  # BLOCK reads, pub/sub
+        self.intake = Intake(self.client, unbounded, self.keys, config.name)
+        self.claims = Claims(self.client, self.keys, config.name, config.replay_ttl, config.reclaim_idle_ms)
+        self.outbox = Outbox(self.client, self.keys, config.replay_maxlen, config.replay_ttl)
+        self.metrics = Metrics()
+        self.heartbeat = Heartbeat(self.client, self.keys, config, self.metrics)
+        self.metrics_server = self.metrics.serve(config.metrics_port) if config.metrics_port is not None else None
+        self.cancels = Cancels(self.client, unbounded, self.keys)
+        self.intake.ensure_groups()
+        self.lanes = {self.keys.requests(lane): lane for lane in LANES}
+        self.flights: dict[str, Flight] = {}
+        self.log = structlog.get_logger("worker").bind(worker=config.name)
+        self.next_housekeeping = 0.0
+        self.generated = 0  # tokens, for the heartbeat's rate
+        self.stopping = False  # set by a signal handler: nothing else happens there
+        self.drain_until: float | None = None
+        self.done = False
+
+    # --- the loop ----------------------------------------------------------------------
+    def run(self) -> None:
+        self.log.info("worker.started", model=self.config.engine.model, num_blocks=self.engine.pool.num_blocks)
+        try:
+            while not self.done:
+                try:
+                    self.poll()
+                except redis.RedisError as error:
+                    self.log.error("worker.redis_error", error=str(error))
+                    for flight in list(self.flights.values()):
+                        self.drop(flight, "redis error")
+                    time.sleep(REDIS_RETRY_S)
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        """Drain (SIGTERM): safe to call from a signal handler."""
+        self.stopping = True
+
+    def poll(self) -> None:
+        if self.stopping and self.drain_until is None:
+            self.drain_until = time.monotonic() + self.config.drain_timeout
+            self.log.info("worker.draining", in_flight=len(self.flights), timeout_s=self.config.drain_timeout)
+        if time.monotonic() >= self.next_housekeeping:
+            self.housekeeping()
+        self.cancel(self.cancels.nudged())
+        if self.drain_until is None:
+            block_ms = None if self.engine.has_unfinished else self.config.block_ms
+            self.take(self.intake.read(intake_room(self.engine, self.config.intake_ahead), block_ms))
+        self.expire_deadlines()
+        if self.engine.has_unfinished:
+            self.step()
+        self.publish()
+        if self.drain_until is not None and (not self.flights or time.monotonic() >= self.drain_until):
+            self.hand_back()
+            self.done = True
+
+    def housekeeping(self) -> None:
+        self.next_housekeeping = time.monotonic() + self.config.heartbeat_interval
+        for flight in self.claims.refresh(list(self.flights.values())):
+            self.drop(flight, "claimed by another worker")
+        self.cancel(self.cancels.swept([request_id for request_id, flight in self.flights.items() if flight.sequence]))
+        if self.drain_until is None:
+            reclaimed = self.claims.reclaim(intake_room(self.engine, self.config.intake_ahead))
+            if reclaimed:
+                self.metrics.reclaimed.inc(len(reclaimed))
+                self.log.info("worker.reclaimed", entries=[entry.entry_id for entry in reclaimed])
+                self.take(reclaimed)
+        self.heartbeat.beat(self.engine, len(self.flights), self.generated, draining=self.drain_until is not None)
+
+    # --- intake ------------------------------------------------------------------------
+    def take(self, entries: list[Entry]) -> None:
+        accepted: dict[str, tuple[Entry, Request | Rejected]] = {}
+        dead: list[tuple[Entry, str, str | None]] = []
+        for entry in entries:
+            request = decode_entry(entry)
+            request_id = request.id if isinstance(request, Request) else request.request_id
+            held = self.flights.get(request_id)
+            if request_id is None:
+                dead.append((entry, request.reason, None))
+            elif held is not None and (held.entry.stream, held.entry.entry_id) == (entry.stream, entry.entry_id):
+                continue  # our own entry, reclaimed by ourselves after a slow turn: still ours
+            elif held is not None or request_id in accepted:
+                dead.append((entry, "duplicate: a request with this id is in progress", request_id))
+            elif request_id in self.engine.requests:
+                continue  # a dropped attempt has yet to leave the engine: left pending for a later reclaim
+            else:
+                accepted[request_id] = (entry, request)
+        if dead:
+            self.reject(dead)
+        for (request_id, (entry, request)), claim in zip(accepted.items(), self.claims.claim(list(accepted))):
+            if claim.problem:
+                self.reject([(entry, claim.problem, request_id)])
+            elif claim.terminal:  # finished on an earlier attempt, whose ack was lost
+                self.intake.ack([entry])
+            else:
+                self.start(request_id, entry, request, claim)
+
+    def start(self, request_id: str, entry: Entry, request: Request | Rejected, claim: Claim) -> None:
+        emitted = claim.emitted_token_ids
+        flight = Flight(request_id, entry, claim.attempt, next_seq=len(claim.events), resumed=bool(emitted),
+                        log=self.log.bind(request_id=request_id))
+        self.flights[request_id] = flight
+        if isinstance(request, Rejected):
+            self.refuse(flight, "invalid_request", request.reason)
+        elif entry.deliveries > self.config.max_deliveries:
+            self.refuse(flight, "dead_letter", f"gave up after {entry.deliveries} deliveries")
+        else:
+            try:
+                flight.sequence = self.engine.add_request(
+                    request_id, **engine_prompt(request), params=request.params, lane=self.lanes[entry.stream],
+                    emitted_token_ids=emitted)
+            except PromptError as error:
+                self.refuse(flight, "invalid_request", str(error))
+                return
+            flight.log.info("request.started", attempt=claim.attempt, lane=flight.sequence.lane,
+                            resumed_tokens=len(emitted))
+            if claim.cancelled:
+                self.engine.abort(request_id, FinishReason.CANCELLED)
+            elif request.deadline is not None and not flight.started:
+                flight.deadline = request.deadline
+
+    def refuse(self, flight: Flight, code: str, message: str) -> None:
+        """An error event for a request that never reaches the engine; dead-lettered at its ack."""
+        flight.log.warning("request.refused", code=code, reason=message)
+        self.outbox.add_error(flight, code, message)
+        flight.dead_letter = message
+
+    def reject(self, dead: list[tuple[Entry, str, str | None]]) -> None:
+        """Dead-letter entries that get no event (no usable id, or no way to number one)."""
+        for entry, reason, request_id in dead:
+            self.log.warning("entry.rejected", entry_id=entry.entry_id, request_id=request_id, reason=reason)
+        self.intake.ack((), dead)
+        self.metrics.dead_letters.inc(len(dead))
+
+    # --- cancellation (see cancels.py) and deadlines --------------------------------------
+    def cancel(self, request_ids: set[str] | list[str]) -> None:
+        for request_id in request_ids:
+            flight = self.flights.get(request_id)
+            if flight is not None and self.engine.abort(request_id, FinishReason.CANCELLED):
+                flight.log.info("request.cancelling")
+
+    def expire_deadlines(self) -> None:
+        now = time.time()
+        for flight in self.flights.values():
+            if flight.deadline is not None and (flight.started or now >= flight.deadline):
+                if not flight.started:
+                    self.engine.abort(flight.request_id, FinishReason.DEADLINE)
+                flight.deadline = None  # started in time, or expired: no longer watched
+
+    # --- step and outbox ---------------------------------------------------------------
+    def step(self) -> None:
+        started = time.monotonic()
+        outputs = self.engine.step()
+        now = time.monotonic()
+        self.metrics.step_time.observe(now - started)
+        self.metrics.observe_engine(self.engine)
+        for output in outputs:
+            flight = self.flights.get(output.request_id)
+            if flight is None:
+                continue  # dropped: another worker holds it now
+            self.metrics.observe_output(flight, output, now)
+            if output.token_ids:
+                flight.last_token = now
+                self.generated += len(output.token_ids)
+            if output.finished:
+                flight.log.info("request.finished", reason=output.finish_reason, error=output.error,
+                                completion_tokens=output.usage.completion_tokens)
+            self.outbox.add_output(flight, output)
+
+    def publish(self) -> None:
+        done, dead = [], []
+        for flight, written in self.outbox.flush(list(self.flights.values())):
+            if not written:
+                self.drop(flight, "claimed by another worker")
+            elif flight.finished:
+                del self.flights[flight.request_id]
+                if flight.dead_letter:
+                    dead.append((flight.entry, flight.dead_letter, flight.request_id))
+                else:
+                    done.append(flight.entry)
+        if done or dead:
+            self.intake.ack(done, dead)
+            self.metrics.dead_letters.inc(len(dead))
+
+    def drop(self, flight: Flight, reason: str) -> None:
+        """Forget a request without acking it: its entry stays pending for a reclaim."""
+        del self.flights[flight.request_id]
+        if flight.sequence is not None:
+            self.engine.abort(flight.request_id)
+        flight.log.warning("request.dropped", reason=reason)
+
+    # --- shutdown ----------------------------------------------------------------------
+    def hand_back(self) -> None:
+        flights = list(self.flights.values())
+        self.claims.hand_back(flights)
+        for flight in flights:
+            self.drop(flight, "handed back")
+
+    def close(self) -> None:
+        try:
+            self.heartbeat.clear()
+            self.claims.retire()
+        except redis.RedisError as error:
+            self.log.error("worker.close_failed", error=str(error))
+        self.cancels.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+        self.log.info("worker.stopped")
+
