@@ -63,20 +63,29 @@ def run_ours(model_name: str, dtype: str, requests, policy: str) -> dict:
     for i, (ids, max_tokens) in enumerate(requests):
         engine.add_request(f"r{i}", prompt_ids=ids,
                            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    tokens, steps, decodes, peak = 0, 0, 0, None
+    tokens, steps, peak = 0, [], None  # steps: (tokens computed, rows sampled)
     while engine.has_unfinished:
         outputs = engine.step()
-        tokens += sum(len(o.token_ids) for o in outputs)
-        steps += 1
-        decodes += len(engine.scheduler.decoding)
+        sampled = sum(len(o.token_ids) for o in outputs)
+        tokens += sampled
+        steps.append((engine.last_step_tokens, sampled))
         stats = engine.pool.stats(engine.scheduler.running)
         if peak is None or stats.used > peak.used:
             peak = stats
     elapsed = time.perf_counter() - started
-    return {"tokens": tokens, "seconds": elapsed, "mean_batch": decodes / steps,
-            "kv_utilisation_at_peak": peak.kv_utilisation, "peak_blocks": peak.used,
-            "params": sum(p.numel() for p in engine.model.parameters()),
-            "dtype_bytes": engine.model.dtype.itemsize}
+    return {"tokens": tokens, "seconds": elapsed, "mean_batch": sum(s for _, s in steps) / len(steps),
+            "kv_utilisation_at_peak": peak.kv_utilisation, "peak_blocks": peak.used, "steps": steps,
+            "weights": linear_weights(engine.model), "dtype_bytes": engine.model.dtype.itemsize}
+
+
+def linear_weights(model) -> dict:
+    """Matmul weights (embedding lookups cost no FLOPs): the layers', and the lm_head's."""
+    from worker.engine.linear import PackedLinear
+
+    head = model.get_output_embeddings()
+    layers = sum(m.in_features * m.out_features for m in model.modules()
+                 if isinstance(m, (torch.nn.Linear, PackedLinear)) and m is not head)
+    return {"layers": layers, "head": head.in_features * head.out_features}
 
 
 def load_hf(dtype: str):
@@ -111,7 +120,7 @@ def run_hf_cb(dtype: str, requests) -> dict:
 
     model, tokenizer = load_hf(dtype)
     generation = GenerationConfig(do_sample=False, max_new_tokens=256, eos_token_id=None, pad_token_id=0)
-    config = ContinuousBatchingConfig(num_blocks=2048, max_batch_tokens=512)
+    config = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=512)  # pages of 256 tokens
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
     manager.start()
     started, tokens = time.perf_counter(), 0
@@ -119,28 +128,34 @@ def run_hf_cb(dtype: str, requests) -> dict:
         manager.add_request(input_ids=ids, request_id=f"r{i}", max_new_tokens=max_tokens)
     for _ in requests:
         result = manager.get_result(timeout=600)
+        if result is None or result.error:
+            raise RuntimeError(f"transformers continuous batching failed: {result and result.error}")
         tokens += len(result.generated_tokens)
     elapsed = time.perf_counter() - started
     manager.stop()
     return {"tokens": tokens, "seconds": elapsed}
 
 
-def roofline(params: int, dtype_bytes: int, batch: float, dtype: torch.dtype) -> dict:
-    """Best tokens/s at this batch size: each step reads every weight once and does
-    2 * params * batch FLOPs; whichever of memory or compute is slower bounds the step."""
+def roofline(weights: dict, dtype_bytes: int, steps: list, tokens: int, dtype: torch.dtype) -> dict:
+    """The best this machine could do on the steps our engine actually ran: each step reads
+    every weight once and does 2 x weights FLOPs per computed token (lm_head: per sampled
+    row); whichever of memory and compute is slower bounds the step (attention ignored)."""
     a = torch.randn(2048, 2048, dtype=dtype)
     a @ a
     started = time.perf_counter()
     for _ in range(5):
         a @ a
     flops = 5 * 2 * 2048 ** 3 / (time.perf_counter() - started)
-    big = torch.empty(64 * 2 ** 20 // 4, dtype=torch.float32).uniform_()
+    big = torch.empty(256 * 2 ** 20 // 4, dtype=torch.float32).uniform_()
+    big.sum()
     started = time.perf_counter()
     for _ in range(5):
-        big.sum()
+        big.sum()  # a pure read
     bandwidth = 5 * big.numel() * 4 / (time.perf_counter() - started)
-    step = max(params * dtype_bytes / bandwidth, 2 * params * batch / flops)
-    return {"gflops": flops / 1e9, "gbps": bandwidth / 1e9, "tokens_per_s": batch / step}
+    weight_bytes = (weights["layers"] + weights["head"]) * dtype_bytes
+    best = sum(max(weight_bytes / bandwidth, 2 * (weights["layers"] * computed + weights["head"] * sampled) / flops)
+               for computed, sampled in steps)
+    return {"gflops": flops / 1e9, "gbps": bandwidth / 1e9, "tokens_per_s": tokens / best}
 
 
 def child(system: str, dtype: str, seed: int) -> None:
@@ -156,8 +171,8 @@ def child(system: str, dtype: str, seed: int) -> None:
     requests = workload(tokenizer, seed)
     if system in ("ours", "ours-static"):
         result = run_ours("smollm2-135m", dtype, requests, "static" if system == "ours-static" else "continuous")
-        result["roofline"] = roofline(result["params"], result["dtype_bytes"], result["mean_batch"],
-                                      parse_dtype(dtype))
+        result["roofline"] = roofline(result["weights"], result["dtype_bytes"], result.pop("steps"),
+                                      result["tokens"], parse_dtype(dtype))
     elif system == "hf-cb":
         result = run_hf_cb(dtype, requests)
     else:

@@ -46,6 +46,7 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.runner = ModelRunner(model, self.info, num_blocks, config.block_size, config.device)
         self.requests: dict[str, _Request] = {}
+        self.last_step_tokens = 0  # tokens computed by the latest step (metrics, benchmarks)
 
     # --- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, *, prompt: str | None = None, messages: list[dict] | None = None,
@@ -86,6 +87,7 @@ class Engine:
     # --- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_step_tokens = plan.num_tokens
         # rejected or ended since the last step (one ended by a stop string is already closed)
         outputs = [self._final(seq, RequestOutput(seq.request_id)) for seq in plan.finished
                    if seq.request_id in self.requests and self.requests[seq.request_id].seq is seq]
