@@ -4,6 +4,7 @@ driven turn by turn with `poll()`, and readers of what they wrote to Redis."""
 import random
 import time
 
+import fakeredis
 import pytest
 import redis
 
@@ -38,6 +39,14 @@ def client(redis_url):
     connection = redis.Redis.from_url(redis_url)
     yield connection
     connection.close()
+
+
+@pytest.fixture(params=["redis-server", "fakeredis"])
+def any_client(request, redis_url):
+    """For unit tests that must hold on a real server and on fakeredis alike."""
+    if request.param == "fakeredis":
+        return fakeredis.FakeRedis()
+    return redis.Redis.from_url(redis_url)
 
 
 @pytest.fixture

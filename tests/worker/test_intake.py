@@ -1,10 +1,8 @@
 """Decoding, the backpressure rule, and reads/acks/dead letters on a real redis-server and on
 fakeredis alike."""
 
-import fakeredis
 import msgspec
 import pytest
-import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,13 +53,6 @@ def test_intake_room_keeps_a_few_waiting_and_nothing_while_the_pool_is_short(mod
     assert intake_room(engine, ahead=4) == 2
     engine.step()  # "big" now holds 7 of the 8 blocks: under the watermark nobody is read
     assert engine.pool.num_free_blocks == 1 and intake_room(engine, ahead=4) == 0
-
-
-@pytest.fixture(params=["redis-server", "fakeredis"])
-def any_client(request, redis_url):
-    if request.param == "fakeredis":
-        return fakeredis.FakeRedis()
-    return redis.Redis.from_url(redis_url)
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """Engine outputs -> events numbered per request, one MULTI per flush, and the fence that
 refuses the writes of a superseded attempt; on a real redis-server and on fakeredis alike."""
 
-import fakeredis
 import pytest
 import redis
 import structlog
@@ -15,20 +14,13 @@ from worker.outbox import Outbox
 from .conftest import KEYS, replay
 
 
-@pytest.fixture(params=["redis-server", "fakeredis"])
-def client(request, redis_url):
-    if request.param == "fakeredis":
-        return fakeredis.FakeRedis()
-    return redis.Redis.from_url(redis_url)
-
-
 @pytest.fixture
-def outbox(client):
-    return Outbox(client, KEYS, replay_maxlen=1000, replay_ttl=60)
+def outbox(any_client):
+    return Outbox(any_client, KEYS, replay_maxlen=1000, replay_ttl=60)
 
 
-def owned(client, request_id: str, attempt: int = 1, next_seq: int = 0) -> Flight:
-    client.set(KEYS.attempt(request_id), attempt)
+def owned(any_client, request_id: str, attempt: int = 1, next_seq: int = 0) -> Flight:
+    any_client.set(KEYS.attempt(request_id), attempt)
     return Flight(request_id, Entry(KEYS.requests("normal"), "1-0", {}), attempt, next_seq,
                   log=structlog.get_logger().bind(request_id=request_id))
 
@@ -37,21 +29,21 @@ def token(request_id: str, token_id: int) -> RequestOutput:
     return RequestOutput(request_id, [token_id])
 
 
-def test_outputs_become_events_numbered_from_where_the_request_stands(outbox, client):
-    flight = owned(client, "a", attempt=2, next_seq=5)  # resumed: the numbering continues
+def test_outputs_become_events_numbered_from_where_the_request_stands(outbox, any_client):
+    flight = owned(any_client, "a", attempt=2, next_seq=5)  # resumed: the numbering continues
     outbox.add_output(flight, RequestOutput("a", [7], text="x", logprobs=[-0.5]))
     outbox.add_output(flight, RequestOutput("a", [8], finish_reason="length", usage=Usage(3, 2),
                                             timings=Timings(queued=0.1, ttft=0.2, total=0.3)))
-    assert replay(client, "a") == [] and flight.finished
+    assert replay(any_client, "a") == [] and flight.finished
     assert outbox.flush([flight]) == [(flight, True)]
-    assert replay(client, "a") == [
+    assert replay(any_client, "a") == [
         TokenEvent(seq=5, attempt=2, ids=[7], text="x", logprobs=[-0.5]),
         TokenEvent(seq=6, attempt=2, ids=[8], text=""),
         DoneEvent(seq=7, attempt=2, finish_reason="length", usage=Usage(3, 2),
                   timings=Timings(queued=0.1, ttft=0.2, total=0.3)),
     ]
     assert flight.pending == [] and flight.next_seq == 8
-    assert 0 < client.ttl(KEYS.replay("a")) <= 60 and 0 < client.ttl(KEYS.attempt("a")) <= 60
+    assert 0 < any_client.ttl(KEYS.replay("a")) <= 60 and 0 < any_client.ttl(KEYS.attempt("a")) <= 60
 
 
 def command_calls(client) -> dict[str, int]:
@@ -79,22 +71,22 @@ def test_one_transaction_carries_the_events_of_every_request(redis_url):
         (KEYS.tokens(f"r{i}"), TokenEvent(seq=0, attempt=1, ids=[i], text="")) for i in range(5)]
 
 
-def test_the_writes_of_a_superseded_attempt_are_refused(outbox, client):
-    flight = owned(client, "a")
+def test_the_writes_of_a_superseded_attempt_are_refused(outbox, any_client):
+    flight = owned(any_client, "a")
     outbox.add_output(flight, token("a", 1))
     assert outbox.flush([flight]) == [(flight, True)]
-    client.incr(KEYS.attempt("a"))  # another worker claimed the request
+    any_client.incr(KEYS.attempt("a"))  # another worker claimed the request
     outbox.add_output(flight, token("a", 2))
     assert outbox.flush([flight]) == [(flight, False)]
-    assert [event.ids for event in replay(client, "a")] == [[1]] and flight.pending == []
-    client.delete(KEYS.attempt("a"))  # expired: refused too
+    assert [event.ids for event in replay(any_client, "a")] == [[1]] and flight.pending == []
+    any_client.delete(KEYS.attempt("a"))  # expired: refused too
     outbox.add_output(flight, token("a", 3))
     assert outbox.flush([flight]) == [(flight, False)]
 
 
-def test_a_lost_script_cache_is_reloaded(outbox, client):
-    flight = owned(client, "a")
-    client.script_flush()
+def test_a_lost_script_cache_is_reloaded(outbox, any_client):
+    flight = owned(any_client, "a")
+    any_client.script_flush()
     outbox.add_output(flight, token("a", 1))
     assert outbox.flush([flight]) == [(flight, True)]
-    assert len(replay(client, "a")) == 1
+    assert len(replay(any_client, "a")) == 1
