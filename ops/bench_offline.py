@@ -161,16 +161,12 @@ def roofline(weights: dict, dtype_bytes: int, steps: list, tokens: int, dtype: t
 
 
 def child(system: str, dtype: str, seed: int) -> None:
-    from worker.engine.models import parse_dtype
+    from transformers import AutoTokenizer
+
+    from worker.engine.models import parse_dtype, smollm2_cache
 
     torch.manual_seed(seed)
-    _, tokenizer = load_hf(dtype) if system.startswith("hf") else (None, None)
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        from worker.engine.models import smollm2_cache
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_cache())
-    requests = workload(tokenizer, seed)
+    requests = workload(AutoTokenizer.from_pretrained(smollm2_cache()), seed)
     if system in ("ours", "ours-static"):
         result = run_ours("smollm2-135m", dtype, requests, "static" if system == "ours-static" else "continuous")
         result["roofline"] = roofline(result["weights"], result["dtype_bytes"], result.pop("steps"),
