@@ -27,8 +27,13 @@ def native():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="streambatch_paged_decode", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        # ATen's Vectorized<float> picks its instruction set from these defines, as in torch's own build.
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability not in ("AVX2", "AVX512"):
+            capability = "DEFAULT"
+        vector = [f"-DCPU_CAPABILITY={capability}"] + ([f"-DCPU_CAPABILITY_{capability}"] * (capability != "DEFAULT"))
+        return load(name=f"streambatch_paged_decode_{capability.lower()}", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *vector], extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, no headers: the torch path still works
         log.warning("native paged-decode kernel unavailable, using the torch path: %s", error)
         return None
