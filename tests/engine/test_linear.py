@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from worker.engine.linear import PackedLinear, pack_linear_layers, packing_works
+from worker.engine.linear import PackedLinear, ProjectionSlice, fuse_projections, pack_linear_layers, packing_works
 
 
 def test_packed_linear_matches_nn_linear_for_decode_and_prefill_shapes():
@@ -27,3 +27,33 @@ def test_pack_linear_layers_replaces_every_linear_and_keeps_outputs():
 def test_only_float32_is_packed():
     assert packing_works(torch.float32) == torch.backends.mkldnn.is_available()
     assert not packing_works(torch.bfloat16)
+
+
+class _Attention(nn.Module):
+    def __init__(self, bias_v: bool) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(16, 16, bias=False), nn.Linear(16, 8, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(16, 8, bias=bias_v), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.o_proj(self.q_proj(x)) + torch.cat([self.k_proj(x), self.v_proj(x)], -1)
+
+
+def test_fused_projections_give_each_projection_of_its_own_input():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Attention(bias_v=True), _Attention(bias_v=False))
+    x, other = torch.randn(3, 16), torch.randn(3, 16)
+    before = model(x)
+    q, k, v = (model[0].q_proj(other), model[0].k_proj(x), model[0].v_proj(other))
+    assert fuse_projections(model) == 2
+    assert type(model[0].q_proj) is ProjectionSlice and type(model[0].o_proj) is nn.Linear
+    assert torch.allclose(model(x), before, atol=1e-5)
+    # out of order and with different inputs: every slice is still its own projection
+    assert torch.allclose(model[0].q_proj(other), q, atol=1e-5)
+    assert torch.allclose(model[0].k_proj(x), k, atol=1e-5)
+    assert torch.allclose(model[0].v_proj(other), v, atol=1e-5)
+    assert torch.allclose(model(x), before, atol=1e-5)
+    assert model[0].fused_q_k_v._input is None  # the last slice taken releases the activations
+    assert fuse_projections(model) == 0  # idempotent
+    assert pack_linear_layers(model) == 4  # the fused GEMMs and o_proj: packing applies on top
+    assert torch.allclose(model(x), before, atol=1e-5)

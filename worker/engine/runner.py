@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine.attention import AttentionMetadata, run_model
-from worker.engine.linear import pack_linear_layers, packing_works
+from worker.engine.linear import fuse_projections, pack_linear_layers, packing_works
 from worker.engine.models import ModelInfo, allocate_kv_cache
 from worker.engine.plan import StepPlan
 from worker.engine.sequence import Sequence
@@ -24,6 +24,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_cache(info, num_blocks, block_size, info.dtype, device)
+        fuse_projections(model)
         if self.device.type == "cpu" and packing_works(info.dtype):
             pack_linear_layers(model)
 
