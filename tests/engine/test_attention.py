@@ -305,3 +305,18 @@ def test_attention_without_metadata_or_with_softcap_is_a_clear_error():
         paged_attention(module, q, kv, kv, None, attn_metadata=meta)  # built without caches
     with pytest.raises(NotImplementedError, match="softcap"):
         paged_attention(module, q, kv, kv, None, softcap=30.0, attn_metadata=meta)
+
+
+def test_written_kv_reads_back_in_position_order():
+    from worker.engine.attention import kv_cache_shapes, read_kv, write_kv
+
+    torch.manual_seed(0)
+    k_shape, v_shape = kv_cache_shapes(6, 4, 2, 8)
+    k_cache, v_cache = torch.zeros(k_shape), torch.zeros(v_shape)
+    table = torch.tensor([[5, 0, 3]])  # positions 0-3 in block 5, 4-7 in block 0, 8-11 in block 3
+    positions = torch.arange(10)
+    slots = table[0, positions // 4] * 4 + positions % 4
+    key, value = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    write_kv(k_cache, v_cache, slots // 4, slots % 4, key, value)
+    k, v = read_kv(k_cache, v_cache, table, 10)
+    assert torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], value.transpose(0, 1))

@@ -53,7 +53,7 @@ def test_fused_projections_give_each_projection_of_its_own_input():
     assert torch.allclose(model[0].k_proj(x), k, atol=1e-5)
     assert torch.allclose(model[0].v_proj(other), v, atol=1e-5)
     assert torch.allclose(model(x), before, atol=1e-5)
-    assert model[0].fused_q_k_v._input is None  # the last slice taken releases the activations
+    assert model[0].fused_q_k_v.kept.input is None  # the last slice taken releases the activations
     assert fuse_projections(model) == 0  # idempotent
     assert pack_linear_layers(model) == 4  # the fused GEMMs and o_proj: packing applies on top
     assert torch.allclose(model(x), before, atol=1e-5)

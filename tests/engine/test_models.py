@@ -57,7 +57,10 @@ def test_model_info_and_cache_sizing():
     assert num_blocks_for_memory(10 * per_block, info, 16, "bfloat16") == 20
     caches = allocate_kv_cache(info, 10, 16)
     assert len(caches) == 3
-    assert all(k.shape == v.shape == (10, 16, 2, 16) and k.dtype == torch.float32 for k, v in caches)
+    # keys as [head_dim, block_size] tiles per block and head, values as [block_size, head_dim]
+    assert all(k.shape == (10, 2, 16, 16) and v.shape == (10, 2, 16, 16) and k.dtype == torch.float32 for k, v in caches)
+    assert [c.numel() for c in allocate_kv_cache(info, 3, 8)[0]] == [3 * 2 * 16 * 8] * 2
+    assert allocate_kv_cache(info, 3, 8)[0][0].shape == (3, 2, 16, 8)
     assert allocate_kv_cache(info, 2, 8, "bf16")[0][1].dtype == torch.bfloat16
 
 

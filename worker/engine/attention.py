@@ -58,7 +58,9 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token (block * block_size + offset)
+    slot_blocks: torch.Tensor  # [T] its block
+    slot_offsets: torch.Tensor  # [T] its offset in the block
     positions: torch.Tensor  # [T] position of each new token in its sequence
     query_start_loc: torch.Tensor  # [S+1] cu_seqlens of the new tokens
     seq_lens: torch.Tensor  # [S] context length after this step
@@ -142,6 +144,8 @@ class AttentionMetadata:
         to = lambda x: x.to(device, non_blocking=True)  # noqa: E731
         return cls(
             slot_mapping=to(slots),
+            slot_blocks=to(slots // block_size),
+            slot_offsets=to(slots % block_size),
             positions=to(positions),
             query_start_loc=to(torch.tensor(query_start_loc)),
             seq_lens=to(torch.tensor(seq_lens)),
@@ -181,6 +185,33 @@ class AttentionMetadata:
         return mask
 
 
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
+    """Per layer (K shape, V shape). Keys are stored per block and head as a [head_dim,
+    block_size] tile, so that decode attention computes q.k across positions with no horizontal
+    sums (the native kernel's inner loop); values as [block_size, head_dim]."""
+    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+             key: torch.Tensor, value: torch.Tensor) -> None:
+    """key/value [T, kv_heads, head_dim] of T new tokens into their (block, offset) slots."""
+    k_cache[blocks, :, :, offsets] = key
+    v_cache[blocks, :, offsets] = value
+
+
+def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+            length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [n, kv_heads, positions, head_dim] of n sequences, gathered through their block
+    tables [n, blocks] (positions = blocks * block_size, or the first `length`)."""
+    n, num_blocks = tables.shape
+    _, kv_heads, head_dim, block_size = k_cache.shape
+    flat = tables.flatten()
+    k = k_cache.index_select(0, flat).view(n, num_blocks, kv_heads, head_dim, block_size).permute(0, 2, 1, 4, 3)
+    v = v_cache.index_select(0, flat).view(n, num_blocks, kv_heads, block_size, head_dim).transpose(1, 2)
+    shape = (n, kv_heads, num_blocks * block_size, head_dim)
+    return k.reshape(shape)[:, :, :length], v.reshape(shape)[:, :, :length]
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -209,8 +240,7 @@ def paged_attention(
     block_size = meta.block_size
 
     # Write the new K/V first, so the reads below see the whole context.
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for g, decodes in enumerate(meta.decode_groups):
@@ -223,8 +253,7 @@ def paged_attention(
             continue
         # Heads h = kv*group + j share KV head kv: fold the group into the query axis (no K/V repeat).
         q = query[0].transpose(0, 1).index_select(0, decodes.rows).view(n, num_kv_heads, group, head_dim)
-        k = k_cache.index_select(0, decodes.blocks).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, decodes.blocks).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        k, v = read_kv(k_cache, v_cache, decodes.blocks.view(n, -1))
         mask = meta._visible(("decode", g), decodes.seq_lens - 1, kv_len, sliding_window)[:, None, None, :]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         out.index_copy_(0, decodes.rows, o.reshape(n, num_heads, head_dim))
@@ -238,9 +267,7 @@ def paged_attention(
                 is_causal=True, scale=scaling, enable_gqa=True,
             )
         else:
-            shape = (1, -1, num_kv_heads, head_dim)
-            k = k_cache.index_select(0, chunk.blocks).view(shape)[:, : chunk.seq_len].transpose(1, 2)
-            v = v_cache.index_select(0, chunk.blocks).view(shape)[:, : chunk.seq_len].transpose(1, 2)
+            k, v = read_kv(k_cache, v_cache, chunk.blocks[None], chunk.seq_len)
             q_pos = torch.arange(chunk.num_computed, chunk.seq_len, device=query.device)
             mask = meta._visible(i, q_pos, chunk.seq_len, sliding_window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)

@@ -49,19 +49,28 @@ class FusedProjections(nn.Module):
                 self.fused.bias.copy_(torch.cat([linear.bias if linear.bias is not None
                                                  else linear.weight.new_zeros(linear.out_features)
                                                  for linear in linears]))
-        self._input: torch.Tensor | None = None
-        self._outputs: tuple[torch.Tensor, ...] = ()
-        self._left = 0  # slices of the kept output not taken yet
+        self.kept = _KeptOutput()
 
     def project(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if x is not self._input or self._left == 0:
-            self._input, self._outputs = x, self.fused(x).split(self.sizes, dim=-1)
-            self._left = len(self.sizes)
-        out = self._outputs[index]
-        self._left -= 1
-        if self._left == 0:
-            self._input, self._outputs = None, ()  # do not hold the step's activations
+        kept = self.kept
+        if x is not kept.input or kept.left == 0:
+            kept.input, kept.outputs, kept.left = x, self.fused(x).split(self.sizes, dim=-1), len(self.sizes)
+        out = kept.outputs[index]
+        kept.left -= 1
+        if kept.left == 0:
+            kept.input, kept.outputs = None, ()  # do not hold the step's activations
         return out
+
+
+class _KeptOutput:
+    """A plain object: nn.Module's __setattr__ costs microseconds per call on this hot path."""
+
+    __slots__ = ("input", "outputs", "left")
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.left = 0  # slices of the kept output not taken yet
 
 
 class ProjectionSlice(nn.Module):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .attention import ATTN_IMPLEMENTATION
+from .attention import ATTN_IMPLEMENTATION, kv_cache_shapes
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -210,12 +210,12 @@ def smollm2_cache() -> Path:
 def allocate_kv_cache(
     info: ModelInfo, num_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device: str = "cpu"
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    """Per layer (k_cache, v_cache), shaped by attention.kv_cache_shapes.
     Zero-filled so memory is really committed at start-up (no page faults, or OOM, mid-serving)."""
     dtype = parse_dtype(dtype) if dtype is not None else info.dtype
-    shape = (num_blocks, block_size, info.num_kv_heads, info.head_dim)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, info.num_kv_heads, info.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
         for _ in range(info.num_layers)
     ]
 
