@@ -8,6 +8,7 @@
 // dot products, exp and axpy: the scalar version of this loop was 5x slower.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -75,9 +76,13 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const int64_t group = heads / kv_heads, tile = dim * block_size;
   // One work item per sequence, all its heads: a block of every head is one contiguous run
   // (kv_heads tiles), which streams from memory faster than one head's tiles alone.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  // Sequences differ in length: hand them out one at a time (torch's own OpenMP pool) rather
+  // than in equal contiguous ranges.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
     std::vector<float> scores, acc(heads * dim), query(heads * dim), buffer(tile);
-    for (int64_t seq = begin; seq < end; ++seq) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int64_t len = lens[seq], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t base = first - first % block_size, padded = (len - base + block_size - 1) / block_size * block_size;
       const int64_t* table = tables + seq * max_blocks + base / block_size;
@@ -107,7 +112,7 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
       }
       for (int64_t x = 0; x < heads * dim; ++x) out[seq * heads * dim + x] = T(acc[x]);
     }
-  });
+  }
 }
 
 // q [num_seqs, heads, dim]; k_cache [num_blocks, kv_heads, dim, block_size], v_cache
