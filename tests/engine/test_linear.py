@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 
@@ -24,9 +25,20 @@ def test_pack_linear_layers_replaces_every_linear_and_keeps_outputs():
     assert torch.allclose(model(x), before, atol=1e-5)
 
 
-def test_only_float32_is_packed():
+def test_packing_is_used_for_float32_and_for_bfloat16_only_with_native_bf16():
     assert packing_works(torch.float32) == torch.backends.mkldnn.is_available()
-    assert not packing_works(torch.bfloat16)
+    native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packing_works(torch.bfloat16) == native_bf16
+    assert not packing_works(torch.float16)
+
+
+def test_packed_bfloat16_matches_nn_linear():
+    if not packing_works(torch.bfloat16):
+        pytest.skip("this CPU has no native bf16: the engine leaves bf16 layers unpacked")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, dtype=torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    assert torch.allclose(PackedLinear(linear)(x), linear(x), atol=1e-2)
 
 
 class _Attention(nn.Module):
