@@ -31,9 +31,11 @@ def native():
         capability = torch.backends.cpu.get_cpu_capability()
         if capability not in ("AVX2", "AVX512"):
             capability = "DEFAULT"
-        vector = [f"-DCPU_CAPABILITY={capability}"] + ([f"-DCPU_CAPABILITY_{capability}"] * (capability != "DEFAULT"))
+        defines = [f"-DCPU_CAPABILITY={capability}"]
+        if capability != "DEFAULT":
+            defines.append(f"-DCPU_CAPABILITY_{capability}")
         return load(name=f"streambatch_paged_decode_{capability.lower()}", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", *vector], extra_ldflags=["-fopenmp"])
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *defines], extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, no headers: the torch path still works
         log.warning("native paged-decode kernel unavailable, using the torch path: %s", error)
         return None

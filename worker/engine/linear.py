@@ -111,10 +111,7 @@ def packing_works(dtype: torch.dtype) -> bool:
     exists and agrees with F.linear before use."""
     if not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.bfloat16:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return False
-    elif dtype != torch.float32:
+    if not (dtype == torch.float32 or dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
     try:
         probe = nn.Linear(8, 4, dtype=dtype)
