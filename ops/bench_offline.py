@@ -11,7 +11,11 @@ Each system runs in its own subprocess (clean peak RSS, no shared state); the ta
 output tokens/s, the ratio to hf-static, peak RSS, and for our engine the KV utilisation
 at peak and the share of this machine's roofline at the batch size reached.
 
-    python -m ops.bench_offline [--dtype float32|bfloat16] [--systems ours,hf-static,...]
+    python -m ops.bench_offline [--dtype float32|bfloat16] [--systems ours,hf-static,...] [--rounds N]
+
+With --rounds N every system runs N times, the systems taking turns (the machine's speed
+drifts over minutes): the table gives each system's median run, the median of the per-round
+ratios to hf-static, and the range of its runs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -184,11 +189,25 @@ def child(system: str, dtype: str, seed: int) -> None:
     print("RESULT " + json.dumps(result))
 
 
+def run_child(system: str, dtype: str, seed: int) -> dict | None:
+    """One system in a fresh subprocess -> its result, or None (reported) if it failed."""
+    out = subprocess.run([sys.executable, "-m", "ops.bench_offline", "--child", system, "--dtype", dtype,
+                          "--seed", str(seed)], capture_output=True, text=True)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        print(f"{system} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
+        return None
+    result = json.loads(line[len("RESULT "):])
+    print(f"{system}: {result['tokens'] / result['seconds']:.1f} tok/s", file=sys.stderr)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -199,32 +218,37 @@ def main() -> None:
 
     from worker.engine.models import smollm2_cache
     smollm2_cache()  # convert the bundled model once, before any timing
-    results = {}
-    for system in args.systems.split(","):
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    systems = args.systems.split(",")
+    for system in systems:
         if system not in SYSTEMS:
             parser.error(f"unknown system {system!r}; choose from {SYSTEMS}")
-        out = subprocess.run([sys.executable, "-m", "ops.bench_offline", "--child", system, "--dtype", args.dtype,
-                              "--seed", str(args.seed)], capture_output=True, text=True)
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            print(f"{system} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
-            continue
-        results[system] = json.loads(line[len("RESULT "):])
-        print(f"{system}: {results[system]['tokens'] / results[system]['seconds']:.1f} tok/s", file=sys.stderr)
-    base = results.get("hf-static")
-    table = Table(title=f"Offline throughput, SmolLM2-135M {args.dtype}, {torch.get_num_threads()} threads, 64 requests")
-    for column in ("system", "output tok/s", "x hf-static", "peak RSS MB", "notes"):
+    runs: dict[str, list[dict | None]] = {system: [] for system in systems}  # per round, None where it failed
+    for _ in range(args.rounds):
+        for system in systems:
+            runs[system].append(run_child(system, args.dtype, args.seed))
+    rate = lambda r: r["tokens"] / r["seconds"]  # noqa: E731
+    table = Table(title=f"Offline throughput, SmolLM2-135M {args.dtype}, {torch.get_num_threads()} threads, "
+                        f"64 requests, {args.rounds} round(s)")
+    for column in ("system", "output tok/s", "x hf-static", "runs tok/s", "peak RSS MB", "notes"):
         table.add_column(column, justify="right")
-    for system, r in results.items():
-        rate = r["tokens"] / r["seconds"]
-        ratio = f"{rate / (base['tokens'] / base['seconds']):.2f}" if base else "-"
+    for system, results in runs.items():
+        done = sorted((r for r in results if r is not None), key=rate)
+        if not done:
+            continue
+        r = done[len(done) // 2]  # the median run
+        ratios = [rate(ours) / rate(base) for ours, base in zip(results, runs.get("hf-static", []))
+                  if ours is not None and base is not None]
+        ratio = f"{statistics.median(ratios):.2f}" if ratios else "-"
         notes = ""
         if "roofline" in r:
             roof = r["roofline"]
             notes = (f"mean batch {r['mean_batch']:.1f}, KV use at peak {r['kv_utilisation_at_peak']:.1%}; "
                      f"roofline {roof['tokens_per_s']:.0f} tok/s ({roof['gflops']:.0f} GFLOP/s, "
-                     f"{roof['gbps']:.0f} GB/s): {rate / roof['tokens_per_s']:.0%} of it")
-        table.add_row(system, f"{rate:.1f}", ratio, f"{r['peak_rss_mb']:.0f}", notes)
+                     f"{roof['gbps']:.0f} GB/s): {rate(r) / roof['tokens_per_s']:.0%} of it")
+        table.add_row(system, f"{rate(r):.1f}", ratio, f"{rate(done[0]):.1f}-{rate(done[-1]):.1f}",
+                      f"{r['peak_rss_mb']:.0f}", notes)
     Console(width=200).print(table)
 
 
