@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch import nn
 
+from worker.engine import kernels
 from worker.engine.linear import PackedLinear, ProjectionSlice, fuse_projections, pack_linear_layers, packing_works
 
 
@@ -15,6 +16,24 @@ def test_packed_linear_matches_nn_linear_for_decode_and_prefill_shapes():
             assert torch.allclose(packed(x), linear(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("in_features,out_features", [(64, 96), (40, 5), (1536, 70)])
+def test_native_float32_kernel_matches_nn_linear_for_any_rows_and_columns(in_features, out_features):
+    """Every tile height (1 .. 2 x the micro-kernel's rows), a partial last panel of columns
+    (5, 70), and with K=1536 more rows than one cached chunk (42): all against F.linear."""
+    if kernels.native() is None:
+        pytest.fail("the native kernels did not build")
+    torch.manual_seed(0)
+    for bias in (True, False):
+        linear = nn.Linear(in_features, out_features, bias=bias)
+        packed = PackedLinear(linear)
+        assert packed.native
+        for rows in [*range(1, 26), 64, 100]:
+            x = torch.randn(rows, in_features)
+            assert torch.allclose(packed(x), linear(x), atol=1e-5, rtol=1e-5), rows
+    wide = torch.randn(3, 7, 2 * in_features)[..., ::2]  # 3-D and not contiguous
+    assert torch.allclose(packed(wide), linear(wide), atol=1e-5, rtol=1e-5)
+
+
 def test_pack_linear_layers_replaces_every_linear_and_keeps_outputs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))
@@ -26,7 +45,7 @@ def test_pack_linear_layers_replaces_every_linear_and_keeps_outputs():
 
 
 def test_packing_is_used_for_float32_and_for_bfloat16_only_with_native_bf16():
-    assert packing_works(torch.float32) == torch.backends.mkldnn.is_available()
+    assert packing_works(torch.float32) == (kernels.native() is not None or torch.backends.mkldnn.is_available())
     native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert packing_works(torch.bfloat16) == native_bf16
     assert not packing_works(torch.float16)

@@ -1,9 +1,10 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder.
 
-`paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp).
+`paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp);
+`pack_linear_weight` / `packed_linear` are a float32 GEMM for pre-packed weights (csrc/linear.cpp).
 The build (about a minute, once per machine; cached by torch under
 ~/.cache/torch_extensions) needs a C++ compiler and ninja. When it cannot be built, callers
-fall back to the pure-torch gather + SDPA path: slower, same results.
+fall back to torch: the gather + SDPA decode path and oneDNN's packed linear; slower, same results.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = [str(Path(__file__).with_name("csrc") / name) for name in ("bindings.cpp", "paged_decode.cpp", "linear.cpp")]
 
 
 @functools.cache
@@ -34,10 +35,10 @@ def native():
         defines = [f"-DCPU_CAPABILITY={capability}"]
         if capability != "DEFAULT":
             defines.append(f"-DCPU_CAPABILITY_{capability}")
-        return load(name=f"streambatch_paged_decode_{capability.lower()}", sources=[str(SOURCE)],
+        return load(name=f"streambatch_kernels_{capability.lower()}", sources=SOURCES,
                     extra_cflags=["-O3", "-march=native", "-fopenmp", *defines], extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, no headers: the torch path still works
-        log.warning("native paged-decode kernel unavailable, using the torch path: %s", error)
+        log.warning("native kernels unavailable, using the torch paths: %s", error)
         return None
 
 
@@ -46,3 +47,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q [seqs, heads, dim] -> attention output [seqs, heads, dim], one token per sequence."""
     return native().paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale,
                                  sliding_window or 0)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [out, in] -> the panels `packed_linear` reads."""
+    return native().pack_linear_weight(weight.contiguous())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., in] float32 -> x @ weight.T + bias [..., out], weight packed by pack_linear_weight."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return native().packed_linear(rows, packed, bias, out_features).view(*x.shape[:-1], out_features)
