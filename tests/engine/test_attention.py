@@ -58,7 +58,7 @@ class Pager:
         return AttentionMetadata.build(
             [self.computed.get(key, 0) for key, _ in work], [len(new) for _, new in work],
             [self.tables[key] for key, _ in work], self.block_size, DEVICE, kv_caches=self.kv_caches,
-            native_decode=self.native,
+            native_kernels=self.native,
         )
 
     def step(self, work: list[tuple[str, list[int]]], all_rows: bool = False):
@@ -215,7 +215,7 @@ def test_decode_groups_give_the_same_logits():
     metas = [pager.metadata(work), pager.metadata(work)]
     metas[1] = AttentionMetadata.build([pager.computed[k] for k, _ in work], [1] * 8,
                                        [pager.tables[k] for k, _ in work], 8, DEVICE, kv_caches=pager.kv_caches,
-                                       decode_group_tokens=24, native_decode=False)
+                                       decode_group_tokens=24, native_kernels=False)
     assert len(metas[0].decode_groups) == 1 and len(metas[1].decode_groups) > 3
     with torch.inference_mode():
         one, split = (run_model(model, torch.tensor([9] * 8, device=DEVICE), m) for m in metas)
@@ -255,14 +255,14 @@ def test_build_metadata_by_hand():
     assert (decodes.rows.tolist(), decodes.blocks.tolist(), decodes.max_blocks) == ([3], [2, 7], 2)
     assert [(p.start, p.end, p.num_computed, p.seq_len, p.blocks.tolist()) for p in meta.prefills] == [
         (0, 3, 0, 3, [5]), (4, 8, 2, 6, [1, 0])]
-    all_decode = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, native_decode=False)
+    all_decode = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, native_kernels=False)
     assert all_decode.is_all_decode
     [decodes] = all_decode.decode_groups  # sorted by length, padded to the longest
     assert decodes.rows.tolist() == [2, 0, 1] and decodes.seq_lens.tolist() == [1, 5, 10]
     assert decodes.blocks.tolist() == [8, 0, 0, 3, 1, 0, 2, 4, 6] and decodes.max_blocks == math.ceil(10 / 4)
     # A cap on padded tokens per call splits the group (lengths 1, 5 | 10 with blocks of 4 -> 8 | 12).
     split = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, decode_group_tokens=16,
-                                   native_decode=False)
+                                   native_kernels=False)
     assert [g.rows.tolist() for g in split.decode_groups] == [[2, 0], [1]]
 
 
@@ -307,16 +307,22 @@ def test_attention_without_metadata_or_with_softcap_is_a_clear_error():
         paged_attention(module, q, kv, kv, None, softcap=30.0, attn_metadata=meta)
 
 
-def test_written_kv_reads_back_in_position_order():
+@pytest.mark.parametrize("native", [True, False], ids=["native-write", "torch-write"])
+def test_written_kv_reads_back_in_position_order(native):
     from worker.engine.attention import kv_cache_shapes, read_kv, write_kv
 
+    if native and kernels.native() is None:
+        pytest.fail("the native kernels did not build")
     torch.manual_seed(0)
     k_shape, v_shape = kv_cache_shapes(6, 4, 2, 8)
     k_cache, v_cache = torch.zeros(k_shape), torch.zeros(v_shape)
     table = torch.tensor([[5, 0, 3]])  # positions 0-3 in block 5, 4-7 in block 0, 8-11 in block 3
     positions = torch.arange(10)
     slots = table[0, positions // 4] * 4 + positions % 4
-    key, value = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
-    write_kv(k_cache, v_cache, slots // 4, slots % 4, key, value)
+    key, value = torch.randn(2, 10, 8).transpose(0, 1), torch.randn(10, 2, 8)  # [tokens, heads, dim], any strides
+    if native:
+        kernels.write_kv(k_cache, v_cache, slots, key, value)
+    else:
+        write_kv(k_cache, v_cache, slots // 4, slots % 4, key, value)
     k, v = read_kv(k_cache, v_cache, table, 10)
     assert torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], value.transpose(0, 1))

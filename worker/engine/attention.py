@@ -77,7 +77,7 @@ class AttentionMetadata:
     # Sequences with exactly one new token (decodes, or a 1-token last chunk): batched calls.
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    native_decode: bool
+    native_kernels: bool  # cache writes and decode attention by the C++ kernels
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict, repr=False)  # masks per (group, window), shared by layers
 
@@ -99,15 +99,15 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         decode_group_tokens: int | None = None,
-        native_decode: bool | None = None,
+        native_kernels: bool | None = None,
     ) -> AttentionMetadata:
         """Plain Python per-sequence data -> tensors. Sequence i's new tokens take positions
         num_computed[i] .. num_computed[i] + num_new[i] - 1. decode_group_tokens caps the padded
         context of one batched decode call (default: DECODE_GROUP_TOKENS[device type]).
-        native_decode: read decodes straight from the cache with the C++ kernel (default: on
-        CPU when it builds); it pads nothing, so all decodes form one group."""
-        if native_decode is None:
-            native_decode = torch.device(device).type == "cpu" and kernels.native() is not None
+        native_kernels: write new K/V and read decodes straight from the cache with the C++ kernels
+        (default: on CPU when they build); decode reads pad nothing, so all decodes form one group."""
+        if native_kernels is None:
+            native_kernels = torch.device(device).type == "cpu" and kernels.native() is not None
         if not (len(num_computed) == len(num_new) == len(block_tables)) or not num_new:
             raise ValueError("num_computed, num_new and block_tables need one entry per sequence (at least one)")
         seq_lens = [c + n for c, n in zip(num_computed, num_new)]
@@ -129,7 +129,7 @@ class AttentionMetadata:
         # Decodes sorted by length and cut into groups of bounded padded size: less padding, and
         # on CPU each group's gathered K/V stays in cache between the gather and the attention.
         cap = decode_group_tokens or DECODE_GROUP_TOKENS.get(torch.device(device).type, DECODE_GROUP_TOKENS["cpu"])
-        if native_decode:
+        if native_kernels:
             cap = float("inf")
         groups: list[list[int]] = [[]]
         for i in sorted((i for i, n in enumerate(num_new) if n == 1), key=seq_lens.__getitem__):
@@ -161,7 +161,7 @@ class AttentionMetadata:
             query_start_loc_list=query_start_loc,
             decode_groups=[cls._decode_group(g, starts, tables, seq_lens, block_size, to) for g in groups if g],
             prefills=prefills,
-            native_decode=native_decode,
+            native_kernels=native_kernels,
             kv_caches=kv_caches if kv_caches is not None else [],
         )
 
@@ -243,12 +243,16 @@ def paged_attention(
     block_size = meta.block_size
 
     # Write the new K/V first, so the reads below see the whole context.
-    write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if meta.native_kernels:
+        kernels.write_kv(k_cache, v_cache, meta.slot_mapping, new_keys, new_values)
+    else:
+        write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, new_keys, new_values)
 
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for g, decodes in enumerate(meta.decode_groups):
         n, kv_len = decodes.rows.numel(), decodes.max_blocks * block_size
-        if meta.native_decode:
+        if meta.native_kernels:
             q = query[0].transpose(0, 1).index_select(0, decodes.rows)
             o = kernels.paged_decode(q, k_cache, v_cache, decodes.blocks.view(n, -1), decodes.seq_lens,
                                      scaling or head_dim ** -0.5, sliding_window)

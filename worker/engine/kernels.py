@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder.
 
-`paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp);
+`paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp),
+`write_kv` puts new keys and values into it (csrc/write_kv.cpp);
 `pack_linear_weight` / `packed_linear` are a float32 GEMM for pre-packed weights (csrc/linear.cpp).
 The build (about a minute, once per machine; cached by torch under
 ~/.cache/torch_extensions) needs a C++ compiler and ninja. When it cannot be built, callers
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [str(Path(__file__).with_name("csrc") / name) for name in ("bindings.cpp", "paged_decode.cpp", "linear.cpp")]
+SOURCES = [str(Path(__file__).with_name("csrc") / name) for name in ("bindings.cpp", "paged_decode.cpp", "write_kv.cpp", "linear.cpp")]
 
 
 @functools.cache
@@ -47,6 +48,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q [seqs, heads, dim] -> attention output [seqs, heads, dim], one token per sequence."""
     return native().paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale,
                                  sliding_window or 0)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """key/value [T, kv_heads, dim] of T new tokens into their flat cache slots [T]."""
+    native().write_kv(k_cache, v_cache, slots, key, value)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
