@@ -111,7 +111,8 @@ def test_mixed_batch_matches_each_sequence_alone(name, block_size, native):
     work = [("long", full["long"]), ("decode", full["decode"][37:]), ("short", full["short"]),
             ("single", full["single"]), ("chunked", full["chunked"][20:])]
     meta = pager.metadata(work)
-    assert len(meta.prefills) == 3 and [g.rows.tolist() for g in meta.decode_groups] == [[106, 100]]
+    decode_rows = [[100, 106]] if native else [[106, 100]]  # native: row order; torch: by length
+    assert len(meta.prefills) == 3 and [g.rows.tolist() for g in meta.decode_groups] == decode_rows
     meta, logits = pager.step(work, all_rows=True)
     check_rows(name, pager, work, meta, logits, full)
     # run_model keeps only each sequence's last row (rerunning rewrites the same K/V to the same slots).
@@ -264,6 +265,10 @@ def test_build_metadata_by_hand():
     split = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, decode_group_tokens=16,
                                    native_kernels=False)
     assert [g.rows.tolist() for g in split.decode_groups] == [[2, 0], [1]]
+    # The native kernel pads nothing: one group, the rows in order.
+    native = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, decode_group_tokens=16,
+                                     native_kernels=True)
+    assert [g.rows.tolist() for g in native.decode_groups] == [[0, 1, 2]]
 
 
 @pytest.mark.parametrize("args", [

@@ -126,13 +126,16 @@ class AttentionMetadata:
         positions = torch.arange(query_start_loc[-1]) - starts[seq_of_token] + torch.tensor(num_computed)[seq_of_token]
         slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
-        # Decodes sorted by length and cut into groups of bounded padded size: less padding, and
-        # on CPU each group's gathered K/V stays in cache between the gather and the attention.
+        # Torch path: decodes sorted by length and cut into groups of bounded padded size: less
+        # padding, and on CPU each group's gathered K/V stays in cache between gather and attention.
         cap = decode_group_tokens or DECODE_GROUP_TOKENS.get(torch.device(device).type, DECODE_GROUP_TOKENS["cpu"])
-        if native_kernels:
+        decodes = [i for i, n in enumerate(num_new) if n == 1]
+        if native_kernels:  # no padding: one group, in row order
             cap = float("inf")
+        else:
+            decodes.sort(key=seq_lens.__getitem__)
         groups: list[list[int]] = [[]]
-        for i in sorted((i for i, n in enumerate(num_new) if n == 1), key=seq_lens.__getitem__):
+        for i in decodes:
             padded = -(-seq_lens[i] // block_size) * block_size  # i is the longest of its group so far
             if groups[-1] and (len(groups[-1]) + 1) * padded > cap:
                 groups.append([])
@@ -249,13 +252,16 @@ def paged_attention(
     else:
         write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, new_keys, new_values)
 
-    out = query.new_empty(num_tokens, num_heads, head_dim)
+    out = None if meta.native_kernels and meta.is_all_decode else query.new_empty(num_tokens, num_heads, head_dim)
     for g, decodes in enumerate(meta.decode_groups):
         n, kv_len = decodes.rows.numel(), decodes.max_blocks * block_size
         if meta.native_kernels:
-            q = query[0].transpose(0, 1).index_select(0, decodes.rows)
+            # All-decode step: the one group is every row in order, so no gather and no scatter.
+            q = query[0].transpose(0, 1) if out is None else query[0].transpose(0, 1).index_select(0, decodes.rows)
             o = kernels.paged_decode(q, k_cache, v_cache, decodes.blocks.view(n, -1), decodes.seq_lens,
                                      scaling or head_dim ** -0.5, sliding_window)
+            if out is None:
+                return o.unsqueeze(0), None
             out.index_copy_(0, decodes.rows, o)
             continue
         # Heads h = kv*group + j share KV head kv: fold the group into the query axis (no K/V repeat).

@@ -78,31 +78,34 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
               "packed_linear: the weight was not packed for this input size");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
-  torch::Tensor padded_bias;
-  if (bias && bias->defined()) {
-    padded_bias = torch::zeros({panels * NR}, x.options());
-    padded_bias.narrow(0, 0, N).copy_(*bias);
-  }
+  const bool has_bias = bias && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                            bias->scalar_type() == torch::kFloat), "packed_linear: bias [N] float32");
   const float* xs = x.data_ptr<float>();
   const float* ws = packed.data_ptr<float>();
-  const float* bs = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
+  const float* bs = has_bias ? bias->data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
   // Rows in chunks that stay in L2 while every panel streams past once; the threads split the panels.
   const int64_t chunk = std::max<int64_t>(MR, ROWS_IN_CACHE / (K * 4) / MR * MR);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0), tiles = (rows + MR - 1) / MR;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> edge;  // the last panel's output when N is not a multiple of NR
+      std::vector<float> edge;  // the last panel's output and bias when N is not a multiple of NR
+      float edge_bias[NR];
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
         float* out = ys + m0 * N + n0;
         int64_t ldo = N;
-        if (cols < NR) edge.resize(rows * NR), out = edge.data(), ldo = NR;
+        const float* panel_bias = bs ? bs + n0 : nullptr;
+        if (cols < NR) {
+          edge.resize(rows * NR), out = edge.data(), ldo = NR;
+          if (bs) std::fill_n(edge_bias, NR, 0.f), std::copy_n(bs + n0, cols, edge_bias), panel_bias = edge_bias;
+        }
         // Tiles of balanced heights (16 rows: 6, 5, 5): a short last tile has too few
         // accumulators to hide the FMA latency.
         for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
           const int64_t height = rows / tiles + (t < rows % tiles);
-          micro_rows(height, xs + (m0 + r0) * K, K, ws + p * K * NR, bs ? bs + n0 : nullptr, out + r0 * ldo, ldo);
+          micro_rows(height, xs + (m0 + r0) * K, K, ws + p * K * NR, panel_bias, out + r0 * ldo, ldo);
           r0 += height;
         }
         if (cols < NR)
