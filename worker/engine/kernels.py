@@ -57,11 +57,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [out, in] -> the panels `packed_linear` reads."""
+    """A float32 or bfloat16 weight [out, in] -> the panels `packed_linear` reads."""
     return native().pack_linear_weight(weight.contiguous())
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., in] float32 -> x @ weight.T + bias [..., out], weight packed by pack_linear_weight."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return native().packed_linear(rows, packed, bias, out_features).view(*x.shape[:-1], out_features)
+    """x [..., in] -> x @ weight.T + bias [..., out] in x's dtype, computed in float32; the weight
+    packed by pack_linear_weight, the bias float32."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = native().packed_linear(rows, packed, bias, out_features).view(*x.shape[:-1], out_features)
+    return out.to(x.dtype)

@@ -1,6 +1,7 @@
 """The model's linear layers, made faster without touching its code: sibling projections of
-one input fused into one GEMM, and on CPU weights pre-packed for a faster GEMM: our kernel for
-float32 (csrc/linear.cpp), oneDNN's for bf16 where the CPU has native bf16.
+one input fused into one GEMM, and on CPU weights pre-packed for a faster GEMM (packing_backend):
+our kernel (csrc/linear.cpp) for float32, and for bf16 on CPUs without bf16 instructions (bf16
+weights, float32 arithmetic); oneDNN's for bf16 where the CPU has them.
 
 Fusing: q/k/v and gate/up read the same input, so one GEMM with their weights stacked reads
 that input once and gives the GEMM a wider, more efficient shape; each original module is
@@ -25,17 +26,32 @@ from worker.engine import kernels
 FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+def packing_backend(dtype: torch.dtype) -> str | None:
+    """Which pre-packed GEMM serves CPU linear layers of this dtype: "native" (ours), "onednn", or None."""
+    native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.bfloat16 and native_bf16:
+        return "onednn"
+    if dtype in (torch.float32, torch.bfloat16) and kernels.native() is not None:
+        return "native"
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        return "onednn"
+    return None
+
+
 class PackedLinear(nn.Module):
-    """nn.Linear with its weight packed once: for our kernel (float32, when it builds), else oneDNN's."""
+    """nn.Linear with its weight packed once for the GEMM packing_backend picks for its dtype."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.native = weight.dtype == torch.float32 and kernels.native() is not None
-        self.packed_weight = (kernels.pack_linear_weight(weight) if self.native
-                              else torch.ops.mkldnn._reorder_linear_weight(weight))
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        weight, bias = linear.weight.detach(), linear.bias
+        self.native = packing_backend(weight.dtype) == "native"
+        if self.native:
+            self.packed_weight = kernels.pack_linear_weight(weight)
+            self.bias = None if bias is None else bias.detach().float()  # the kernel adds in float32
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+            self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -117,13 +133,10 @@ def fuse_projections(model: nn.Module) -> int:
 
 
 def packing_works(dtype: torch.dtype) -> bool:
-    """fp32, and bf16 on CPUs with native bf16 instructions (there, 16-row bf16 GEMMs run
-    1.2-1.9x faster packed, with identical results). oneDNN's op is internal to torch: check
-    that the packed layer exists and agrees with F.linear before use."""
-    native = dtype == torch.float32 and kernels.native() is not None
-    if not native and not torch.backends.mkldnn.is_available():
-        return False
-    if not (dtype == torch.float32 or dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    """A packing backend exists for this dtype, and a packed probe layer agrees with F.linear
+    (oneDNN's op is internal to torch: check before use). With native bf16, oneDNN's packed
+    16-row bf16 GEMMs run 1.2-1.9x faster than unpacked, with identical results."""
+    if packing_backend(dtype) is None:
         return False
     try:
         probe = nn.Linear(8, 4, dtype=dtype)

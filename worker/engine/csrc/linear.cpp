@@ -1,12 +1,15 @@
-// y = x W^T + b for float32, with W packed once into column panels: [panels, K, NR] holds
+// y = x W^T + b in float32, with W packed once into column panels: [panels, K, NR] holds
 // NR output columns (two SIMD vectors) for every k, so the inner loop reads one contiguous
 // line of weights per k and broadcasts one input value per row into 2 x rows accumulators.
+// W may be bfloat16: widened to float32 in registers (for CPUs without bf16 instructions,
+// where oneDNN's bf16 GEMM ran at 17 GFLOP/s here), half the bytes of float32 weights to read.
 //
 // Why our own: decode steps multiply a few rows (1-64) by every weight of the model, and
 // oneDNN's packed GEMM spends there up to twice the time its FLOPs need (SmolLM2's 30 layers,
 // 16 rows, AVX2: 50-59 -> 32-34 ms); for prefill-sized inputs (128-2048 rows) the two are on par.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -22,11 +25,21 @@ constexpr int64_t NR = 2 * V;  // output columns per panel
 constexpr int64_t MR = V == 16 ? 12 : 6;
 constexpr int64_t ROWS_IN_CACHE = 256 * 1024;  // bytes of input rows kept in L2 while the panels stream by
 
+// One k's NR weights of a panel as two float vectors.
+inline void load_weights(const float* w, Vec& w0, Vec& w1) {
+  w0 = Vec::loadu(w);
+  w1 = Vec::loadu(w + V);
+}
+inline void load_weights(const c10::BFloat16* w, Vec& w0, Vec& w1) {
+  static_assert(at::vec::Vectorized<c10::BFloat16>::size() == NR, "one bf16 vector holds a panel row");
+  std::tie(w0, w1) = at::vec::convert_to_float<c10::BFloat16>(at::vec::Vectorized<c10::BFloat16>::loadu(w));
+}
+
 // y[R rows, NR] = x[R rows, K] . panel[K, NR] + bias. The row loops are unrolled by
 // request: left to itself GCC kept a copy of the accumulators on the stack, written back on
 // every k (2-3x slower).
-template <int R>
-inline void micro(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t ldy) {
+template <int R, typename W>
+inline void micro(const float* x, int64_t K, const W* panel, const float* bias, float* y, int64_t ldy) {
   Vec acc0[R], acc1[R];
   const Vec b0 = bias ? Vec::loadu(bias) : Vec(0.f), b1 = bias ? Vec::loadu(bias + V) : Vec(0.f);
 #pragma GCC unroll 16
@@ -35,7 +48,8 @@ inline void micro(const float* x, int64_t K, const float* panel, const float* bi
     acc1[r] = b1;
   }
   for (int64_t k = 0; k < K; ++k) {
-    const Vec w0 = Vec::loadu(panel + k * NR), w1 = Vec::loadu(panel + k * NR + V);
+    Vec w0, w1;
+    load_weights(panel + k * NR, w0, w1);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Vec a(x[r * K + k]);
@@ -51,40 +65,18 @@ inline void micro(const float* x, int64_t K, const float* panel, const float* bi
 }
 
 // micro<rows> with the row count known at run time (1 .. MR)
-template <int R = MR>
-inline void micro_rows(int64_t rows, const float* x, int64_t K, const float* panel, const float* bias, float* y,
+template <typename W, int R = MR>
+inline void micro_rows(int64_t rows, const float* x, int64_t K, const W* panel, const float* bias, float* y,
                        int64_t ldy) {
   if constexpr (R > 0) {
     if (rows == R) return micro<R>(x, K, panel, bias, y, ldy);
-    micro_rows<R - 1>(rows, x, K, panel, bias, y, ldy);
+    micro_rows<W, R - 1>(rows, x, K, panel, bias, y, ldy);
   }
 }
 
-}  // namespace
-
-// w [N, K] float -> [ceil(N / NR), K, NR], the columns past N zero
-torch::Tensor pack_linear_weight(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "pack_linear_weight: a 2-D float32 weight");
-  const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR;
-  auto padded = torch::zeros({panels * NR, K}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  return padded.view({panels, NR, K}).transpose(1, 2).contiguous();
-}
-
-// x [M, K] float contiguous, packed from pack_linear_weight, bias [N] or undefined -> [M, N]
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "packed_linear: x [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == NR && packed.size(0) * NR >= N,
-              "packed_linear: the weight was not packed for this input size");
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const bool has_bias = bias && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
-                            bias->scalar_type() == torch::kFloat), "packed_linear: bias [N] float32");
-  const float* xs = x.data_ptr<float>();
-  const float* ws = packed.data_ptr<float>();
-  const float* bs = has_bias ? bias->data_ptr<float>() : nullptr;
-  float* ys = y.data_ptr<float>();
+// y [M, N] = x [M, K] . W^T + bias, W packed in panels of NR columns.
+template <typename W>
+void gemm(const float* xs, const W* ws, const float* bs, float* ys, int64_t M, int64_t N, int64_t K, int64_t panels) {
   // Rows in chunks that stay in L2 while every panel streams past once; the threads split the panels.
   const int64_t chunk = std::max<int64_t>(MR, ROWS_IN_CACHE / (K * 4) / MR * MR);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
@@ -113,5 +105,38 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
       }
     });
   }
+}
+
+}  // namespace
+
+// w [N, K] float32 or bfloat16 -> [ceil(N / NR), K, NR] of the same type, the columns past N zero
+torch::Tensor pack_linear_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
+              "pack_linear_weight: a 2-D float32 or bfloat16 weight");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR;
+  auto padded = torch::zeros({panels * NR, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({panels, NR, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] float32 contiguous, packed from pack_linear_weight, bias [N] float32 or undefined -> [M, N] float32
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "packed_linear: x [M, K] float32");
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16,
+              "packed_linear: float32 or bfloat16 weights");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == NR && packed.size(0) * NR >= N,
+              "packed_linear: the weight was not packed for this input size");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const bool has_bias = bias && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                            bias->scalar_type() == torch::kFloat), "packed_linear: bias [N] float32");
+  const float* xs = x.data_ptr<float>();
+  const float* bs = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* ys = y.data_ptr<float>();
+  if (packed.scalar_type() == torch::kBFloat16)
+    gemm(xs, packed.data_ptr<c10::BFloat16>(), bs, ys, M, N, K, panels);
+  else
+    gemm(xs, packed.data_ptr<float>(), bs, ys, M, N, K, panels);
   return y;
 }
