@@ -150,13 +150,18 @@ def roofline(weights: dict, dtype_bytes: int, steps: list, tokens: int, dtype: t
     """The best this machine could do on the steps our engine actually ran: each step reads
     every weight once and does 2 x weights FLOPs per computed token (lm_head: per sampled
     row); whichever of memory and compute is slower bounds the step (attention ignored)."""
-    # The GEMM rate at the model's own shapes (a 512-token chunk through an MLP projection):
-    # a square 2048 probe says little for dtypes the CPU has no native instructions for.
-    x, w = torch.randn(512, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
-    torch.nn.functional.linear(x, w)
+    from worker.engine.linear import PackedLinear, packing_works
+
+    # The rate of the GEMM our engine runs, at the model's own shapes (a 512-token chunk through
+    # an MLP projection): a square 2048 probe says little for dtypes the CPU has no native
+    # instructions for, and there our engine computes bf16 in float32.
+    layer = torch.nn.Linear(576, 1536, bias=False, dtype=dtype)
+    gemm = PackedLinear(layer) if packing_works(dtype) else layer
+    x = torch.randn(512, 576, dtype=dtype)
+    gemm(x)
     started = time.perf_counter()
     for _ in range(20):
-        torch.nn.functional.linear(x, w)
+        gemm(x)
     flops = 20 * 2 * 512 * 576 * 1536 / (time.perf_counter() - started)
     big = torch.empty(256 * 2 ** 20 // 4, dtype=torch.float32).uniform_()
     big.sum()
