@@ -252,15 +252,17 @@ def paged_attention(
     else:
         write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, new_keys, new_values)
 
-    out = None if meta.native_kernels and meta.is_all_decode else query.new_empty(num_tokens, num_heads, head_dim)
+    # All-decode step on the native kernel: its one group is every row in order, no gather or scatter.
+    in_place = meta.native_kernels and meta.is_all_decode
+    out = None if in_place else query.new_empty(num_tokens, num_heads, head_dim)
     for g, decodes in enumerate(meta.decode_groups):
         n, kv_len = decodes.rows.numel(), decodes.max_blocks * block_size
         if meta.native_kernels:
-            # All-decode step: the one group is every row in order, so no gather and no scatter.
-            q = query[0].transpose(0, 1) if out is None else query[0].transpose(0, 1).index_select(0, decodes.rows)
-            o = kernels.paged_decode(q, k_cache, v_cache, decodes.blocks.view(n, -1), decodes.seq_lens,
-                                     scaling or head_dim ** -0.5, sliding_window)
-            if out is None:
+            q = query[0].transpose(0, 1)
+            o = kernels.paged_decode(q if in_place else q.index_select(0, decodes.rows), k_cache, v_cache,
+                                     decodes.blocks.view(n, -1), decodes.seq_lens, scaling or head_dim ** -0.5,
+                                     sliding_window)
+            if in_place:
                 return o.unsqueeze(0), None
             out.index_copy_(0, decodes.rows, o)
             continue

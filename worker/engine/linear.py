@@ -44,14 +44,12 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, bias = linear.weight.detach(), linear.bias
+        weight = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
         self.native = packing_backend(weight.dtype) == "native"
-        if self.native:
-            self.packed_weight = kernels.pack_linear_weight(weight)
-            self.bias = None if bias is None else bias.detach().float()  # the kernel adds in float32
-        else:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-            self.bias = None if bias is None else bias.detach()
+        self.packed_weight = (kernels.pack_linear_weight(weight) if self.native
+                              else torch.ops.mkldnn._reorder_linear_weight(weight))
+        self.bias = bias.float() if self.native and bias is not None else bias  # ours adds in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
