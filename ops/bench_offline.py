@@ -2,8 +2,9 @@
 
 Workload: 64 requests, chat-templated prompts of 20-200 tokens, max_tokens 16 (half),
 64 (a quarter) and 256 (a quarter), EOS ignored, fixed seed. Systems:
-  ours           our engine, continuous policy
-  ours-static    our engine, static policy, batches of 16
+  ours           our engine, continuous policy, forward compiled (as vLLM's CPU build runs)
+  ours-eager     the same, forward not compiled (the engine's default: no compile wait)
+  ours-static    our engine, static policy, batches of 16, forward compiled
   hf-static      HF generate, static batches of 16, left-padded
   hf-single      HF generate, one request at a time
   hf-cb          transformers' continuous batching (init_continuous_batching)
@@ -31,7 +32,7 @@ import time
 
 import torch
 
-SYSTEMS = ("ours", "ours-static", "hf-static", "hf-single", "hf-cb")
+SYSTEMS = ("ours", "ours-eager", "ours-static", "hf-static", "hf-single", "hf-cb")
 WORDS = ("time data river model light stone music garden window paper city mountain story "
          "engine question answer market energy planet signal memory bridge winter coffee").split()
 
@@ -55,19 +56,21 @@ def workload(tokenizer, seed: int = 0, count: int = 64) -> list[tuple[list[int],
     return requests
 
 
-def run_ours(model_name: str, dtype: str, requests, policy: str) -> dict:
+def run_ours(model_name: str, dtype: str, requests, policy: str, compile: bool) -> dict:
     from producer.protocol import SamplingParams
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
 
-    options = {"dtype": dtype, "policy": policy}
+    options = {"dtype": dtype, "policy": policy, "compile": compile}
     if policy == "static":
         options["max_num_seqs"] = 16
     engine = Engine(EngineConfig.from_options(model_name, **options))
-    # Warm-up outside the timing (first use builds the native kernel, oneDNN primitives), as for HF.
+    # Warm-up outside the timing (first use builds the native kernels, compiles the forward), as for HF.
+    started = time.perf_counter()
     engine.add_request("warm-up", prompt_ids=requests[0][0], params=SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished:
         engine.step()
+    warm_up = time.perf_counter() - started
     started = time.perf_counter()
     for i, (ids, max_tokens) in enumerate(requests):
         engine.add_request(f"r{i}", prompt_ids=ids,
@@ -84,7 +87,8 @@ def run_ours(model_name: str, dtype: str, requests, policy: str) -> dict:
     elapsed = time.perf_counter() - started
     return {"tokens": tokens, "seconds": elapsed, "mean_batch": sum(s for _, s in steps) / len(steps),
             "kv_utilisation_at_peak": peak.kv_utilisation, "peak_blocks": peak.used, "steps": steps,
-            "weights": linear_weights(engine.model), "dtype_bytes": engine.model.dtype.itemsize}
+            "weights": linear_weights(engine.model), "dtype_bytes": engine.model.dtype.itemsize,
+            "warm_up_seconds": warm_up}
 
 
 def linear_weights(model) -> dict:
@@ -182,8 +186,9 @@ def child(system: str, dtype: str, seed: int) -> None:
 
     torch.manual_seed(seed)
     requests = workload(AutoTokenizer.from_pretrained(smollm2_cache()), seed)
-    if system in ("ours", "ours-static"):
-        result = run_ours("smollm2-135m", dtype, requests, "static" if system == "ours-static" else "continuous")
+    if system.startswith("ours"):
+        result = run_ours("smollm2-135m", dtype, requests, "static" if system == "ours-static" else "continuous",
+                          compile=system != "ours-eager")
         result["roofline"] = roofline(result["weights"], result["dtype_bytes"], result.pop("steps"),
                                       result["tokens"], parse_dtype(dtype))
     elif system == "hf-cb":
@@ -249,7 +254,8 @@ def main() -> None:
         notes = ""
         if "roofline" in r:
             roof = r["roofline"]
-            notes = (f"mean batch {r['mean_batch']:.1f}, KV use at peak {r['kv_utilisation_at_peak']:.1%}; "
+            notes = (f"warm-up {r['warm_up_seconds']:.0f} s, mean batch {r['mean_batch']:.1f}, "
+                     f"KV use at peak {r['kv_utilisation_at_peak']:.1%}; "
                      f"roofline {roof['tokens_per_s']:.0f} tok/s ({roof['gflops']:.0f} GFLOP/s, "
                      f"{roof['gbps']:.0f} GB/s): {rate(r) / roof['tokens_per_s']:.0%} of it")
         table.add_row(system, f"{rate(r):.1f}", ratio, f"{rate(done[0]):.1f}-{rate(done[-1]):.1f}",

@@ -24,6 +24,7 @@ bf16: per sequence 2850 ms, one group 2544, 4096-token groups 2094 (model alone 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -228,21 +229,67 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     attn_metadata: AttentionMetadata | None = None,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    meta = attn_metadata
-    if meta is None:
-        raise ValueError(f"'{ATTN_IMPLEMENTATION}' attention needs attn_metadata=AttentionMetadata in the model call")
+    """transformers' attention interface -> attend(). The step's metadata comes in the model call's
+    kwargs. A compiled forward (compiled.py) passes the caches instead and calls the operator below,
+    which takes the metadata from the step context: a graph's operators take only tensors and numbers."""
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("paged attention: logit softcapping / attention sinks are not supported")
     if getattr(module, "is_causal", True) is False:
         raise NotImplementedError("paged attention: only causal (decoder) attention is supported")
+    if attn_metadata is None and kv_caches is None:
+        raise ValueError(f"'{ATTN_IMPLEMENTATION}' attention needs attn_metadata=AttentionMetadata in the model call")
+    caches = kv_caches if kv_caches is not None else attn_metadata.kv_caches
+    if module.layer_idx >= len(caches):
+        raise ValueError(f"kv_caches has {len(caches)} layers; layer {module.layer_idx} needs one")
+    k_cache, v_cache = caches[module.layer_idx]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if attn_metadata is None:
+        out = torch.ops.streambatch.paged_attention(query, key, value, k_cache, v_cache, scaling, sliding_window)
+    else:
+        out = attend(attn_metadata, k_cache, v_cache, query, key, value, scaling, sliding_window)
+    return out, None
+
+
+_step_metadata: AttentionMetadata | None = None
+
+
+@contextmanager
+def step_metadata(meta: AttentionMetadata):
+    """The metadata the paged_attention operator reads during one forward."""
+    global _step_metadata
+    previous, _step_metadata = _step_metadata, meta
+    try:
+        yield
+    finally:
+        _step_metadata = previous
+
+
+# The caches are declared mutated: an operator the compiler believes pure may be dropped when its
+# output goes unused (a step whose chunks need no logits), and its cache writes with it.
+@torch.library.custom_op("streambatch::paged_attention", mutates_args=("k_cache", "v_cache"))
+def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+    if _step_metadata is None:
+        raise ValueError("the paged_attention operator runs inside attention.step_metadata(meta)")
+    return attend(_step_metadata, k_cache, v_cache, query, key, value, scaling, sliding_window)
+
+
+@_paged_attention_op.register_fake
+def _(query, key, value, k_cache, v_cache, scaling, sliding_window):
+    _, num_heads, num_tokens, head_dim = query.shape
+    return query.new_empty(1, num_tokens, num_heads, head_dim)
+
+
+def attend(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tensor,
+           key: torch.Tensor, value: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+    """q [1, heads, T, dim], new k/v [1, kv_heads, T, dim] -> attention output [1, T, heads, dim];
+    the new K/V written to the layer's cache."""
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    if module.layer_idx >= len(meta.kv_caches):
-        raise ValueError(f"AttentionMetadata.kv_caches has {len(meta.kv_caches)} layers; layer {module.layer_idx} needs one")
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
     block_size = meta.block_size
 
     # Write the new K/V first, so the reads below see the whole context.
@@ -260,10 +307,9 @@ def paged_attention(
         if meta.native_kernels:
             q = query[0].transpose(0, 1)
             o = kernels.paged_decode(q if in_place else q.index_select(0, decodes.rows), k_cache, v_cache,
-                                     decodes.blocks.view(n, -1), decodes.seq_lens, scaling or head_dim ** -0.5,
-                                     sliding_window)
+                                     decodes.blocks.view(n, -1), decodes.seq_lens, scaling, sliding_window)
             if in_place:
-                return o.unsqueeze(0), None
+                return o.unsqueeze(0)
             out.index_copy_(0, decodes.rows, o)
             continue
         # Heads h = kv*group + j share KV head kv: fold the group into the query axis (no K/V repeat).
@@ -287,7 +333,7 @@ def paged_attention(
             mask = meta._visible(i, q_pos, chunk.seq_len, sliding_window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 # Deliberately NO AttentionMaskInterface entry: for a name it does not know, transformers
@@ -303,18 +349,25 @@ def compute_logits(model: torch.nn.Module, hidden_states: torch.Tensor, rows: to
 
 
 def run_model(model: torch.nn.Module, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """One packed forward: input_ids [T] -> logits [num_seqs, vocab] (last new token of each sequence).
-    Uses transformers' `logits_to_keep` (a tensor of rows) when the model has it, else base model + lm_head."""
-    kwargs = dict(position_ids=meta.positions[None], attn_metadata=meta, use_cache=False)
+    """One packed forward: input_ids [T] -> logits [num_seqs, vocab] (last new token of each sequence)."""
+    return model_logits(model, input_ids[None], meta.positions[None], meta.logits_rows, attn_metadata=meta)
+
+
+def model_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 logits_rows: torch.Tensor, **kwargs) -> torch.Tensor:
+    """input_ids, position_ids [1, T] -> logits [rows, vocab] of the given rows. Uses transformers'
+    `logits_to_keep` (a tensor of rows) when the model has it, else base model + lm_head."""
+    kwargs.update(position_ids=position_ids, use_cache=False)
     if _accepts_logits_to_keep(type(model)):
-        return model(input_ids=input_ids[None], logits_to_keep=meta.logits_rows, **kwargs).logits[0]
-    hidden = model.get_decoder()(input_ids=input_ids[None], **kwargs).last_hidden_state
-    return compute_logits(model, hidden, meta.logits_rows)
+        return model(input_ids=input_ids, logits_to_keep=logits_rows, **kwargs).logits[0]
+    hidden = model.get_decoder()(input_ids=input_ids, **kwargs).last_hidden_state
+    return compute_logits(model, hidden, logits_rows)
 
 
 _LOGITS_TO_KEEP: dict[type, bool] = {}
 
 
+@torch.compiler.assume_constant_result  # a compiled forward takes the answer as given: no guard on the cache
 def _accepts_logits_to_keep(cls: type) -> bool:
     if cls not in _LOGITS_TO_KEEP:
         _LOGITS_TO_KEEP[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters

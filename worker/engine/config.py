@@ -17,6 +17,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     num_blocks: int | None = None  # overrides kv_cache_memory
     kv_cache_memory: int = 2 << 30  # bytes of K and V for all layers
     enable_prefix_caching: bool = True
+    compile: bool = False  # torch.compile the model forward (compiled.py): faster steps, a minute to compile
     max_model_len: int | None = None  # None: the model's own
     truncate: Literal["reject", "left"] = "reject"  # an over-long prompt: refuse it, or keep its end
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)

@@ -44,7 +44,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler_config = msgspec.structs.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.pool)
-        self.runner = ModelRunner(model, self.info, num_blocks, config.block_size, config.device)
+        self.runner = ModelRunner(model, self.info, num_blocks, config.block_size, config.device,
+                                  config.compile)
         self.requests: dict[str, _Request] = {}
         self.last_step_tokens = 0  # tokens computed by the latest step (metrics, benchmarks)
 

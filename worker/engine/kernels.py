@@ -2,7 +2,9 @@
 
 `paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp),
 `write_kv` puts new keys and values into it (csrc/write_kv.cpp);
-`pack_linear_weight` / `packed_linear` are a float32 GEMM for pre-packed weights (csrc/linear.cpp).
+`pack_linear_weight` / `packed_linear` are a float32 GEMM for pre-packed weights (csrc/linear.cpp),
+the latter also the operator torch.ops.streambatch.packed_linear (with a shape function, so that
+torch.compile traces through it).
 The build (about a minute, once per machine; cached by torch under
 ~/.cache/torch_extensions) needs a C++ compiler and ninja. When it cannot be built, callers
 fall back to torch: the gather + SDPA decode path and oneDNN's packed linear; slower, same results.
@@ -36,8 +38,10 @@ def native():
         defines = [f"-DCPU_CAPABILITY={capability}"]
         if capability != "DEFAULT":
             defines.append(f"-DCPU_CAPABILITY_{capability}")
-        return load(name=f"streambatch_kernels_{capability.lower()}", sources=SOURCES,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", *defines], extra_ldflags=["-fopenmp"])
+        module = load(name=f"streambatch_kernels_{capability.lower()}", sources=SOURCES,
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", *defines], extra_ldflags=["-fopenmp"])
+        torch.library.register_fake("streambatch::packed_linear", _packed_linear_shape)
+        return module
     except Exception as error:  # no compiler, no ninja, no headers: the torch path still works
         log.warning("native kernels unavailable, using the torch paths: %s", error)
         return None
@@ -64,6 +68,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., in] -> x @ weight.T + bias [..., out] in x's dtype, computed in float32; the weight
     packed by pack_linear_weight, the bias float32."""
-    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    out = native().packed_linear(rows, packed, bias, out_features).view(*x.shape[:-1], out_features)
-    return out.to(x.dtype)
+    return torch.ops.streambatch.packed_linear(x, packed, bias, out_features)
+
+
+def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)

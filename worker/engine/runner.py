@@ -8,9 +8,12 @@ AttentionMetadata built here from the sequences' block tables.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from worker.engine.attention import AttentionMetadata, run_model
+from worker.engine.compiled import compile_forward
 from worker.engine.linear import fuse_projections, pack_linear_layers, packing_works
 from worker.engine.models import ModelInfo, allocate_kv_cache
 from worker.engine.plan import StepPlan
@@ -19,7 +22,7 @@ from worker.engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", compile: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -27,6 +30,17 @@ class ModelRunner:
         fuse_projections(model)
         if self.device.type == "cpu" and packing_works(info.dtype):
             pack_linear_layers(model)
+        self.forward = compile_forward(model) if compile else functools.partial(run_model, model)
+        if compile:
+            self._compile_now()
+
+    @torch.inference_mode()
+    def _compile_now(self) -> None:
+        """Compile at start-up, not in the first step: a worker stalled minutes in a step would
+        miss its heartbeats and see its requests taken over. A 1-token forward into block 0,
+        whose content no sequence reads before writing it."""
+        meta = AttentionMetadata.build([0], [1], [[0]], self.block_size, self.device, self.kv_caches)
+        self.forward(torch.zeros(1, dtype=torch.long, device=self.device), meta)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
@@ -41,5 +55,5 @@ class ModelRunner:
                                        self.block_size, self.device, self.kv_caches)
         sampling = [i for i, seq in enumerate(seqs) if plan.samples(seq)]
         meta.logits_rows = meta.logits_rows[sampling]  # a mid-prompt chunk needs no logits
-        logits = run_model(self.model, torch.tensor(input_ids, device=self.device), meta)
+        logits = self.forward(torch.tensor(input_ids, device=self.device), meta)
         return [seqs[i] for i in sampling], logits

@@ -1,4 +1,5 @@
-// The Python module of the native kernels (one extension, one build).
+// The native kernels (one extension, one build): a Python module, and the GEMM also as the
+// operator torch.ops.streambatch.packed_linear, so that torch.compile can put it in its graph.
 #include <torch/extension.h>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
@@ -12,5 +13,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
   m.def("write_kv", &write_kv);
   m.def("pack_linear_weight", &pack_linear_weight);
-  m.def("packed_linear", &packed_linear);
+}
+
+TORCH_LIBRARY(streambatch, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(streambatch, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
 }

@@ -120,10 +120,11 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
 }
 
 // x [M, K] float32 contiguous, packed from pack_linear_weight, bias [N] float32 or undefined -> [M, N] float32
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "packed_linear: x [M, K] float32");
+torch::Tensor packed_linear(torch::Tensor input, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(input.dim() >= 1, "packed_linear: input [..., K]");
   TORCH_CHECK(packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16,
               "packed_linear: float32 or bfloat16 weights");
+  const auto x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();  // no copy when it already is
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == NR && packed.size(0) * NR >= N,
               "packed_linear: the weight was not packed for this input size");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
@@ -138,5 +139,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
     gemm(xs, packed.data_ptr<c10::BFloat16>(), bs, ys, M, N, K, panels);
   else
     gemm(xs, packed.data_ptr<float>(), bs, ys, M, N, K, panels);
-  return y;
+  auto sizes = input.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes).to(input.scalar_type());
 }
