@@ -6,9 +6,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of, run
+from worker.engine import kernels
 from worker.engine.attention import AttentionMetadata, run_model
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.linear import packing_backend
 from worker.engine.models import ModelInfo, load_model, random_model
 from worker.engine.runner import ModelRunner
 
@@ -51,3 +53,16 @@ def test_each_compiled_model_has_its_own_graph(llama):
             torch.testing.assert_close(compiled, run_model(runner.model, ids, meta), atol=1e-5, rtol=0)
             logits.append(compiled)
     assert not torch.allclose(logits[0], logits[1], atol=1e-3)
+
+
+def test_compiled_forward_without_native_kernels(monkeypatch):
+    """Where the C++ kernels cannot be built: oneDNN layers, torch attention; compiled = eager."""
+    monkeypatch.setattr(kernels, "native", lambda: None)
+    assert packing_backend(torch.float32) == "onednn"
+    model, _ = load_model("random:llama")
+    runner = ModelRunner(model, ModelInfo.from_model(model), 8, 16, compile=True)
+    ids = torch.tensor([2, 7, 1, 8])
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([0], [len(ids)], [[0]], 16, kv_caches=runner.kv_caches)
+        assert not meta.native_kernels
+        torch.testing.assert_close(runner.forward(ids, meta), run_model(model, ids, meta), atol=1e-5, rtol=0)

@@ -14,7 +14,7 @@ import torch
 
 from worker.engine.attention import AttentionMetadata, run_model
 from worker.engine.compiled import compile_forward
-from worker.engine.linear import fuse_projections, pack_linear_layers, packing_works
+from worker.engine.linear import fuse_projections, pack_linear_layers, packing_backend, packing_works
 from worker.engine.models import ModelInfo, allocate_kv_cache
 from worker.engine.plan import StepPlan
 from worker.engine.sequence import Sequence
@@ -28,7 +28,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_cache(info, num_blocks, block_size, info.dtype, device)
         fuse_projections(model)
-        if self.device.type == "cpu" and packing_works(info.dtype):
+        # oneDNN's packed op does not lower into a graph with unbacked sizes: compiled, inductor's GEMM serves.
+        if self.device.type == "cpu" and packing_works(info.dtype) and not (
+                compile and packing_backend(info.dtype) == "onednn"):
             pack_linear_layers(model)
         self.forward = compile_forward(model) if compile else functools.partial(run_model, model)
         if compile:
