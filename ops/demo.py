@@ -2,10 +2,14 @@
 both lanes streamed live, then a TTFT / inter-token latency / throughput summary.
 
 Starts a private redis-server on a free port unless one answers at --redis-url, starts
-`python -m worker`, waits for its heartbeat, streams the prompts (ops/demo_view.py), and
-stops everything it started: the worker with SIGTERM (it drains), then redis-server.
+`python -m worker`, follows its start-up live (the phases its heartbeat reports: loading the
+kernels, converting or loading the model, allocating the KV cache ...) until it is ready,
+streams the prompts (ops/demo_view.py), and stops everything it started: the worker with
+SIGTERM (it drains), then redis-server. It gives up on a worker that exits, or that shows no
+progress (no new phase, no new output) for --stall-timeout seconds, and then prints the worker's
+last output and keeps its whole log.
 
-    python -m ops.demo [--redis-url URL] [--model smollm2-135m] [--startup-timeout S]
+    python -m ops.demo [--redis-url URL] [--model smollm2-135m] [--stall-timeout S]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from rich.markup import escape
 from ops.demo_view import CHAT_PROMPTS, summary, watch_prompts
 from producer import AsyncProducer
 from producer.protocol import Keys
+from producer.stats import parse_heartbeat
 
 
 class DemoError(Exception):
@@ -41,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", help="use this Redis if it answers (default: a private redis-server)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--name", default="demo-worker", help="the worker's name (its heartbeat key)")
-    parser.add_argument("--startup-timeout", type=float, default=120,
-                        help="seconds to wait for the worker's first heartbeat (a first run converts the model)")
+    parser.add_argument("--stall-timeout", type=float, default=600,
+                        help="give up on a starting worker that shows no progress for this many seconds")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the prompts may take")
     args = parser.parse_args(argv)
     console = Console()
     try:
-        run(console, redis_url=args.redis_url, name=args.name, startup_timeout=args.startup_timeout,
+        run(console, redis_url=args.redis_url, name=args.name, stall_timeout=args.stall_timeout,
             timeout=args.timeout, worker_command=[sys.executable, "-m", "worker", "--model", args.model])
     except DemoError as error:
         console.print(f"[red]demo failed:[/] {escape(str(error))}")
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(console: Console, *, redis_url: str | None, worker_command: list[str], name: str,
-        startup_timeout: float, timeout: float) -> None:
+        stall_timeout: float, timeout: float) -> None:
     """`worker_command` gets `--redis-url URL --name NAME` appended."""
     with tempfile.TemporaryDirectory(prefix="streambatch-demo-") as scratch, contextlib.ExitStack() as stack:
         url = stack.enter_context(redis_at(redis_url, Path(scratch), console))
@@ -66,10 +71,12 @@ def run(console: Console, *, redis_url: str | None, worker_command: list[str], n
         command = [*worker_command, "--redis-url", url, "--name", name]
         console.print(f"[bold]worker:[/] starting {' '.join(['python', *command[1:]])}")
         worker = stack.enter_context(running_process(command, log))
-        with console.status("waiting for the worker's heartbeat (it loads the model first)..."):
-            wait_for_heartbeat(url, name, worker, log, startup_timeout)
-        console.print(f"[bold]worker:[/] {name} is up; submitting {len(CHAT_PROMPTS)} prompts")
-        watched, wall = asyncio.run(_watch_while_alive(url, worker, log, console, timeout))
+        try:
+            took = wait_until_ready(url, name, worker, log, stall_timeout, console)
+            console.print(f"[bold]worker:[/] {name} is ready after {took:.1f} s; submitting {len(CHAT_PROMPTS)} prompts")
+            watched, wall = asyncio.run(_watch_while_alive(url, worker, log, console, timeout))
+        except DemoError as error:
+            raise DemoError(f"{error}\nthe worker's whole log: {keep(log)}") from None
         console.print()
         console.print(summary(watched, wall))
 
@@ -117,16 +124,48 @@ def running_process(command: list[str], log: Path) -> Iterator[subprocess.Popen]
             _stop(process, grace=30)
 
 
-def wait_for_heartbeat(url: str, name: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+def wait_until_ready(url: str, name: str, process: subprocess.Popen, log: Path, stall_timeout: float,
+                     console: Console) -> float:
+    """Show the worker's start-up phases live until its heartbeat says ready; -> seconds it took.
+    Progress is a new phase or new output in its log; a worker that exits, or shows none for
+    `stall_timeout` seconds, fails the demo."""
     client = redis.Redis.from_url(url)
     key = Keys().worker(name)
-    deadline = time.monotonic() + timeout
-    while not client.exists(key):
-        _check_alive(process, log)
-        if time.monotonic() > deadline:
-            raise DemoError(f"no heartbeat from the worker ({key}) after {timeout:.0f} s; "
-                            f"its last output:\n{last_lines(log)}")
-        time.sleep(0.25)
+    started = last_progress = time.monotonic()
+    phase, phase_started, log_size = None, started, -1
+    with console.status("") as status:
+        while True:
+            _check_alive(process, log)
+            value = client.get(key)
+            info = parse_heartbeat(key, value) if value else None
+            now = time.monotonic()
+            if info is not None and info.state == "ready":
+                if phase is not None:
+                    console.print(f"  [green]✓[/] {escape(phase)} ({now - phase_started:.1f} s)")
+                return now - started
+            current = (info.phase or info.state or "starting") if info else "starting (importing torch)"
+            if current != phase:
+                if phase is not None:
+                    console.print(f"  [green]✓[/] {escape(phase)} ({now - phase_started:.1f} s)")
+                phase, phase_started, last_progress = current, now, now
+            size = log.stat().st_size if log.exists() else 0
+            if size != log_size:
+                log_size, last_progress = size, now
+            if now - last_progress > stall_timeout:
+                raise DemoError(f"the worker made no progress for {stall_timeout:.0f} s (still {phase!r}); "
+                                f"its last output:\n{last_lines(log)}\nRun `make setup` (it builds the kernels and "
+                                "converts the model ahead, with timings), or start the worker by hand to watch it: "
+                                "`.venv/bin/python -m worker --log-level debug`.")
+            status.update(f"[bold]worker:[/] {escape(phase)} ({now - phase_started:.0f} s)")
+            time.sleep(0.25)
+
+
+def keep(log: Path) -> Path:
+    """A copy of the worker's log that outlives the demo's scratch directory."""
+    kept = Path(tempfile.gettempdir()) / "streambatch-demo-worker.log"
+    if log.exists():
+        shutil.copyfile(log, kept)
+    return kept
 
 
 async def _watch_while_alive(url: str, worker: subprocess.Popen, log: Path, console: Console, timeout: float):

@@ -154,14 +154,17 @@ def _stats(producer: Producer, args, errors: Console) -> int:
     lanes = Table("lane", "backlog", "pending", title="lanes")
     for lane, lane_stats in stats.lanes.items():
         lanes.add_row(lane, str(lane_stats.backlog), str(lane_stats.pending))
-    workers = Table("worker", "model", "running", "waiting", "KV usage", "tokens/s", "up",
+    workers = Table("worker", "state", "model", "running", "waiting", "KV", "tokens/s", "up",
                     title="live workers")
     for worker in stats.workers:
-        workers.add_row(escape(worker.name), escape(worker.model or "?"), _show(worker.running), _show(worker.waiting),
-                        _show(worker.kv_usage, "{:.0%}"), _show(worker.tokens_per_s, "{:.1f}"),
-                        _show(worker.uptime, "{:.0f} s"))
+        workers.add_row(escape(worker.name), escape(worker.state or "?"), escape(worker.model or "?"),
+                        _show(worker.running), _show(worker.waiting), _show(worker.kv_usage, "{:.0%}"),
+                        _show(worker.tokens_per_s, "{:.1f}"), _show(worker.uptime, "{:.0f} s"))
     out = Console(highlight=False)
     out.print(lanes, workers if stats.workers else "[yellow]no live workers[/]")
+    for worker in stats.workers:
+        if worker.state == "starting" and worker.phase:
+            out.print(f"{escape(worker.name)} is starting: {escape(worker.phase)}")
     out.print(f"dead letters: {stats.dead_letters}")
     return 0
 

@@ -16,6 +16,9 @@ import msgspec
 
 Lane = Literal["fast", "normal"]
 LANES: tuple[Lane, ...] = ("fast", "normal")
+# What a worker's heartbeat (`Keys.worker`) says it is doing: loading (with the phase it is in),
+# serving, or draining after SIGTERM. Only a ready worker takes requests.
+WorkerState = Literal["starting", "ready", "draining"]
 
 # The lane rule's defaults; the worker's config may override them.
 FAST_PROMPT_TOKENS = 256

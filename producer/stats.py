@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from producer.protocol import Lane
+from producer.protocol import Lane, WorkerState
 
 
 class LaneStats(msgspec.Struct):
@@ -23,6 +23,8 @@ class LaneStats(msgspec.Struct):
 
 class WorkerInfo(msgspec.Struct):
     name: str
+    state: WorkerState | None = None
+    phase: str | None = None  # what a starting worker is doing ("building the native kernels ...")
     model: str | None = None
     running: int | None = None
     waiting: int | None = None

@@ -1,18 +1,23 @@
 """The heartbeat: one key per worker (`Keys.worker(name)`) whose TTL runs a few seconds past
 the beat, holding the worker's live stats as a JSON object. `producer stats` lists live
-workers from it, and whoever starts a worker waits for it to appear. The same beat samples
-the lane streams' backlog and pending counts for the metrics."""
+workers from it, and whoever starts a worker (the demo, a readiness check) follows its
+`state` and `phase`: while the engine loads (minutes on a machine that must first build the
+native kernels or convert the model) a thread beats "starting" with what the worker is doing;
+then the loop beats "ready" and, after SIGTERM, "draining". The loop's beat also samples the
+lane streams' backlog and pending counts for the metrics."""
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import msgspec
 import redis
+import structlog
 
-from producer.protocol import GROUP, LANES, Keys
+from producer.protocol import GROUP, LANES, Keys, WorkerState
 from worker.config import WorkerConfig
 from worker.engine.engine import Engine
 from worker.metrics import Metrics, kv_usage
@@ -20,6 +25,8 @@ from worker.metrics import Metrics, kv_usage
 
 class WorkerStats(msgspec.Struct):
     name: str
+    state: WorkerState
+    phase: str  # what a starting worker is doing; empty once ready
     model: str
     pid: int
     host: str
@@ -30,7 +37,6 @@ class WorkerStats(msgspec.Struct):
     in_flight: int  # requests this worker holds (running, waiting, being written)
     kv_usage: float  # share of KV blocks in use, 0-1
     tokens_per_s: float  # generated since the previous beat
-    draining: bool
 
 
 class Heartbeat:
@@ -44,11 +50,10 @@ class Heartbeat:
         now = time.monotonic()
         then, generated_then = self.last
         self.last = (now, generated)
-        stats = WorkerStats(
-            name=self.config.name, model=self.config.engine.model, pid=os.getpid(), host=socket.gethostname(),
-            started_at=self.started_at, updated_at=time.time(), running=len(engine.scheduler.running),
+        stats = self._stats(
+            "draining" if draining else "ready", "", running=len(engine.scheduler.running),
             waiting=engine.scheduler.num_waiting, in_flight=in_flight, kv_usage=round(kv_usage(engine), 4),
-            tokens_per_s=round((generated - generated_then) / max(now - then, 1e-9), 1), draining=draining)
+            tokens_per_s=round((generated - generated_then) / max(now - then, 1e-9), 1))
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.key, msgspec.json.encode(stats), px=self.config.heartbeat_ttl_ms)
         for lane in LANES:
@@ -63,5 +68,62 @@ class Heartbeat:
         self.metrics.observe_queue(backlog, pending)
         return stats
 
+    def starting(self, phase: str) -> None:
+        stats = self._stats("starting", phase, running=0, waiting=0, in_flight=0, kv_usage=0.0, tokens_per_s=0.0)
+        self.client.set(self.key, msgspec.json.encode(stats), px=self.config.heartbeat_ttl_ms)
+
+    def _stats(self, state: WorkerState, phase: str, **live) -> WorkerStats:
+        return WorkerStats(name=self.config.name, state=state, phase=phase, model=self.config.engine.model,
+                           pid=os.getpid(), host=socket.gethostname(), started_at=self.started_at,
+                           updated_at=time.time(), **live)
+
     def clear(self) -> None:
         self.client.delete(self.key)
+
+
+class StartupBeat:
+    """`with StartupBeat(heartbeat, log) as on_phase: Engine(..., on_phase=on_phase)`: a thread
+    beats "starting" with the latest phase, at once when it changes and every heartbeat interval
+    meanwhile, until the block ends; the loop's own beats follow. Each phase is logged with the
+    time the one before it took. A Redis error is logged and retried: loading goes on."""
+
+    def __init__(self, heartbeat: Heartbeat, log: structlog.typing.FilteringBoundLogger) -> None:
+        self.heartbeat, self.log = heartbeat, log
+        self.phase, self.phase_started = "starting", time.monotonic()
+        self.started = self.phase_started
+        self.changed, self.done = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="startup-heartbeat", daemon=True)
+
+    def __call__(self, phase: str) -> None:
+        now = time.monotonic()
+        self.log.info("worker.phase", phase=phase, previous=self.phase, previous_s=round(now - self.phase_started, 2))
+        self.phase, self.phase_started = phase, now
+        self.changed.set()
+
+    def __enter__(self) -> StartupBeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        self.done.set()
+        self.changed.set()
+        self.thread.join()
+        if error is not None:  # the worker will not serve: say so rather than let the key linger
+            self.log.error("worker.startup_failed", phase=self.phase, error=str(error))
+            try:
+                self.heartbeat.clear()
+            except redis.RedisError:
+                pass
+        else:
+            now = time.monotonic()
+            self.log.info("worker.loaded", previous=self.phase, previous_s=round(now - self.phase_started, 2),
+                          startup_s=round(now - self.started, 2))
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            self.changed.clear()
+            try:
+                self.heartbeat.starting(self.phase)
+            except redis.RedisError as error:
+                self.log.warning("worker.startup_heartbeat_failed", error=str(error))
+            self.changed.wait(self.heartbeat.config.heartbeat_interval)

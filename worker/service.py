@@ -27,7 +27,7 @@ from worker.engine.engine import Engine
 from worker.engine.inputs import PromptError
 from worker.engine.sequence import FinishReason
 from worker.flight import Flight
-from worker.heartbeat import Heartbeat
+from worker.heartbeat import Heartbeat, StartupBeat
 from worker.intake import Entry, Intake, Rejected, decode_entry, engine_prompt, intake_room
 from worker.metrics import Metrics
 from worker.outbox import Outbox
@@ -37,25 +37,29 @@ REDIS_RETRY_S = 1.0
 
 class Worker:
     def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+        """Loads the engine unless one is given, beating "starting" with each phase meanwhile."""
         self.config = config
-        self.engine = engine or Engine(config.engine)
+        self.keys = Keys(config.prefix)
+        self.client = redis.Redis.from_url(config.redis_url)
+        self.metrics = Metrics()
+        self.heartbeat = Heartbeat(self.client, self.keys, config, self.metrics)
+        self.log = structlog.get_logger("worker").bind(worker=config.name)
+        if engine is None:
+            with StartupBeat(self.heartbeat, self.log) as on_phase:
+                engine = Engine(config.engine, on_phase=on_phase)
+        self.engine = engine
         if config.replay_maxlen <= self.engine.max_model_len:
             raise ValueError(f"replay_maxlen ({config.replay_maxlen}) must exceed the model length "
                              f"({self.engine.max_model_len}): every event of a request must stay replayable")
-        self.keys = Keys(config.prefix)
-        self.client = redis.Redis.from_url(config.redis_url)
         unbounded = redis.Redis.from_url(config.redis_url, socket_timeout=None)  # BLOCK reads, pub/sub
         self.intake = Intake(self.client, unbounded, self.keys, config.name)
         self.claims = Claims(self.client, self.keys, config.name, config.replay_ttl, config.reclaim_idle_ms)
         self.outbox = Outbox(self.client, self.keys, config.replay_maxlen, config.replay_ttl)
-        self.metrics = Metrics()
-        self.heartbeat = Heartbeat(self.client, self.keys, config, self.metrics)
         self.metrics_server = self.metrics.serve(config.metrics_port) if config.metrics_port is not None else None
         self.cancels = Cancels(self.client, unbounded, self.keys)
         self.intake.ensure_groups()
         self.lanes = {self.keys.requests(lane): lane for lane in LANES}
         self.flights: dict[str, Flight] = {}
-        self.log = structlog.get_logger("worker").bind(worker=config.name)
         self.next_housekeeping = 0.0
         self.generated = 0  # tokens, for the heartbeat's rate
         self.stopping = False  # set by a signal handler: nothing else happens there
@@ -64,7 +68,7 @@ class Worker:
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> None:
-        self.log.info("worker.started", model=self.config.engine.model, num_blocks=self.engine.pool.num_blocks)
+        self.log.info("worker.ready", model=self.config.engine.model, num_blocks=self.engine.pool.num_blocks)
         try:
             while not self.done:
                 try:

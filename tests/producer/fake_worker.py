@@ -5,7 +5,8 @@ and writes every event the way the worker does: XADD to the replay stream (cappe
 TTL) and PUBLISH of the same bytes, in one MULTI. Tests can also write events one by one,
 replay-only or publish-only, to stage duplicates, lost publishes and gaps.
 
-    python -m tests.producer.fake_worker --redis-url URL --name NAME   (the demo's stand-in)
+    python -m tests.producer.fake_worker --redis-url URL --name NAME [--startup-phase P ...]
+    (the demo's stand-in)
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ class FakeWorker:
         self.emit(request.id, final)
         self.finish(taken)
 
-    def heartbeat(self, model: str = "fake-model", ttl: int = 10) -> None:
-        stats = {"name": self.name, "model": model, "running": 0, "waiting": 0, "kv_usage": 0.0,
-                 "tokens_per_s": 0.0, "started_at": time.time()}
+    def heartbeat(self, model: str = "fake-model", ttl: int = 10, state: str = "ready", phase: str = "") -> None:
+        stats = {"name": self.name, "state": state, "phase": phase, "model": model, "running": 0, "waiting": 0,
+                 "kv_usage": 0.0, "tokens_per_s": 0.0, "started_at": time.time()}
         self.redis.set(self.keys.worker(self.name), msgspec.msgpack.encode(stats), ex=ttl)
 
     def serve_forever(self, stop: threading.Event) -> None:
@@ -140,10 +141,19 @@ def main() -> None:
     parser.add_argument("--name", default="fake")
     parser.add_argument("--model", default="fake-model")
     parser.add_argument("--step-delay", type=float, default=0.01)
+    parser.add_argument("--startup-phase", action="append", default=[],
+                        help="beat 'starting' with this phase for --phase-seconds first, printing as it goes (repeatable)")
+    parser.add_argument("--phase-seconds", type=float, default=0.3)
     args = parser.parse_args()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     worker = FakeWorker(args.redis_url, name=args.name, step_delay=args.step_delay)
+    for phase in args.startup_phase:
+        worker.heartbeat(args.model, state="starting", phase=phase)
+        phase_ends = time.monotonic() + args.phase_seconds
+        while time.monotonic() < phase_ends:
+            print(f"still {phase}", flush=True)  # output, as a real worker's compiler or loader gives
+            time.sleep(min(0.2, args.phase_seconds))
     while not stop.is_set():
         worker.heartbeat(args.model)
         for taken in worker.take(block_ms=100):

@@ -70,9 +70,14 @@ def test_cancel_and_stats(cli, redis_url):
     FakeWorker(redis_url, name="w-7").heartbeat(model="smollm2-135m")
     status, out, _ = cli("stats")
     assert status == 0 and "w-7" in out and "smollm2-135m" in out and "dead letters: 0" in out
+    assert "ready" in out and "is starting" not in out
+    FakeWorker(redis_url, name="w-8").heartbeat(state="starting", phase="building the native kernels")
+    status, out, _ = cli("stats")
+    assert "w-8 is starting: building the native kernels" in out
     status, out, _ = cli("stats", "--json")
     stats = json.loads(out)
-    assert stats["lanes"]["normal"]["backlog"] == 1 and stats["workers"][0]["name"] == "w-7"
+    assert stats["lanes"]["normal"]["backlog"] == 1
+    assert {(worker["name"], worker["state"]) for worker in stats["workers"]} == {("w-7", "ready"), ("w-8", "starting")}
 
 
 @pytest.mark.parametrize("argv, message", [

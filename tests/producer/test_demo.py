@@ -24,8 +24,13 @@ def console() -> Console:
 
 def test_the_demo_runs_end_to_end_and_cleans_up():
     screen = console()
-    run(screen, redis_url=None, worker_command=FAKE_WORKER, name="demo-test", startup_timeout=30, timeout=60)
+    starting = [*FAKE_WORKER, "--startup-phase", "building the native kernels", "--startup-phase",
+                "loading the model"]
+    run(screen, redis_url=None, worker_command=starting, name="demo-test", stall_timeout=30, timeout=60)
     out = screen.file.getvalue()
+    # each phase the worker went through, with its time, then ready
+    assert re.search(r"(?s)✓ building the native kernels \(0\.\d s\).*✓ loading the model \(0\.\d s\).*"
+                     r"demo-test is ready after \d\.\d s", out), out
     assert f"{len(CHAT_PROMPTS)} requests (0 failed)" in out and "tokens/s" in out
     assert "capital · fast" in out and "story · normal" in out  # both lanes, one panel each
     assert "What is the capital of France?" in out  # the fake worker echoes the prompt
@@ -38,14 +43,27 @@ def test_a_worker_that_dies_while_loading_is_reported_with_its_output(redis_url)
     screen = console()
     dying = [sys.executable, "-c", "import sys; print('loading the model'); sys.exit('out of memory')"]
     with pytest.raises(DemoError, match=r"(?s)exited with status 1.*loading the model.*out of memory"):
-        run(screen, redis_url=redis_url, worker_command=dying, name="doomed", startup_timeout=30, timeout=5)
+        run(screen, redis_url=redis_url, worker_command=dying, name="doomed", stall_timeout=30, timeout=5)
     assert f"using {redis_url}" in screen.file.getvalue()  # a Redis that answers is used as is
 
 
-def test_a_worker_that_never_beats_times_out(redis_url):
-    silent = [sys.executable, "-c", "import time; time.sleep(60)"]
-    with pytest.raises(DemoError, match="no heartbeat from the worker .sb:worker:quiet. after 1 s"):
-        run(console(), redis_url=redis_url, worker_command=silent, name="quiet", startup_timeout=1, timeout=5)
+def test_a_slow_worker_that_shows_progress_is_waited_for(redis_url):
+    """Phases longer than the stall timeout, with output as they go, are progress."""
+    slow = [*FAKE_WORKER, "--phase-seconds", "2", "--startup-phase", "one", "--startup-phase", "two"]
+    screen = console()
+    run(screen, redis_url=redis_url, worker_command=slow, name="slow", stall_timeout=1, timeout=60)
+    assert "✓ one (2." in screen.file.getvalue() and "✓ two (2." in screen.file.getvalue()
+
+
+def test_a_worker_that_makes_no_progress_fails_with_its_output_and_what_to_do(redis_url):
+    stuck = [sys.executable, "-c", "import time; print('waiting on something', flush=True); time.sleep(60)"]
+    with pytest.raises(DemoError) as failure:
+        run(console(), redis_url=redis_url, worker_command=stuck, name="quiet", stall_timeout=1, timeout=5)
+    message = str(failure.value)
+    assert "made no progress for 1 s (still 'starting (importing torch)')" in message
+    assert "waiting on something" in message and "make setup" in message
+    kept = Path(re.search(r"whole log: (\S+)", message).group(1))
+    assert "waiting on something" in kept.read_text()
 
 
 def test_nothing_at_the_url_means_a_private_server(tmp_path):

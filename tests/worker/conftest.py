@@ -1,6 +1,7 @@
 """Worker test helpers: in-process workers on the tiny random model (requests use prompt_ids),
 driven turn by turn with `poll()`, and readers of what they wrote to Redis."""
 
+import json
 import random
 import time
 
@@ -90,6 +91,11 @@ def replay(client, request_id: str) -> list:
 def is_finished(client, request_id: str) -> bool:
     events = replay(client, request_id)
     return bool(events) and isinstance(events[-1], TERMINAL)
+
+
+def is_ready(client, name: str) -> bool:
+    value = client.get(KEYS.worker(name))
+    return value is not None and json.loads(value)["state"] == "ready"
 
 
 def backlog(client) -> int:

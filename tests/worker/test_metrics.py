@@ -52,5 +52,5 @@ def test_metrics_endpoint_and_heartbeat(make_worker, client):
     stats = json.loads(client.get(KEYS.worker("w1")))
     assert stats["name"] == "w1" and stats["model"] == "random:llama" and stats["running"] == 1
     assert stats["in_flight"] == 1 and stats["waiting"] == 0 and 0 < stats["kv_usage"] < 1
-    assert stats["tokens_per_s"] > 0 and not stats["draining"]
+    assert stats["tokens_per_s"] > 0 and (stats["state"], stats["phase"]) == ("ready", "")
     assert 0 < client.pttl(KEYS.worker("w1")) <= worker.config.heartbeat_ttl_ms

@@ -1,5 +1,6 @@
 """Workers as real processes (`python -m worker`): kill -9 one mid-generation; SIGTERM one."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from .conftest import (
     backlog,
     greedy,
     is_finished,
+    is_ready,
     offline,
     prompts_of,
     replay,
@@ -69,7 +71,7 @@ def owners(client) -> dict[str, list[str]]:
 
 def test_kill_9_mid_generation_the_other_worker_finishes_every_request_exactly_once(spawn, client, model):
     workers = {name: spawn(name, "--reclaim-idle-ms", "1500") for name in ("a", "b")}
-    wait_for(lambda: all(client.exists(KEYS.worker(name)) for name in workers), message="workers did not start")
+    wait_for(lambda: all(is_ready(client, name) for name in workers), message="workers did not start")
     listener = client.pubsub()
     listener.psubscribe(KEYS.tokens("*"))
     listener.get_message(timeout=1)
@@ -98,9 +100,24 @@ def test_kill_9_mid_generation_the_other_worker_finishes_every_request_exactly_o
     assert workers["b" if victim == "a" else "a"].poll() is None
 
 
+def test_a_started_worker_logs_each_start_up_phase_and_its_time(spawn, client, tmp_path):
+    worker = spawn("a")
+    wait_for(lambda: is_ready(client, "a"), message="worker did not start")
+    events = [json.loads(line) for line in (tmp_path / "a.log").read_text().splitlines() if line.startswith("{")]
+    phases = [event["phase"] for event in events if event["event"] == "worker.phase"]
+    assert phases[:2] == ["loading the native kernels", f"loading the model {MODEL}"]
+    assert phases[2].startswith(f"allocating the KV cache ({NUM_BLOCKS} blocks of 16 tokens")
+    assert phases[-1] == "preparing the model's linear layers"
+    loaded = next(event for event in events if event["event"] == "worker.loaded")
+    assert loaded["previous"] == phases[-1] and 0 < loaded["startup_s"] < 60
+    assert [event["event"] for event in events].index("worker.ready") > events.index(loaded)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=10) == 0
+
+
 def test_sigterm_hands_the_unfinished_back_at_once_and_exits_0(spawn, client, model, make_worker):
     worker = spawn("a", "--drain-timeout", "0.3", "--reclaim-idle-ms", "60000")
-    wait_for(lambda: client.exists(KEYS.worker("a")), message="worker did not start")
+    wait_for(lambda: is_ready(client, "a"), message="worker did not start")
     prompts = prompts_of(2, seed=3)
     for i, prompt in enumerate(prompts):
         submit(client, Request(id=f"t{i}", prompt_ids=prompt, params=greedy(300)))

@@ -14,9 +14,11 @@ import msgspec
 import torch
 
 from producer.protocol import Lane, SamplingParams
+from worker.engine import kernels
 from worker.engine.blocks import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detok import IncrementalDetokenizer
+from worker.engine.disk_cache import Phase, quiet
 from worker.engine.inputs import PromptError, encode_prompt
 from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
 from worker.engine.outputs import RequestOutput, timings_of, usage_of
@@ -33,10 +35,17 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer: Any = None):
-        """Loads `config.model` unless an already loaded model (and tokenizer) is given."""
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
+                 on_phase: Phase = quiet):
+        """Loads `config.model` unless an already loaded model (and tokenizer) is given. Everything
+        slow happens here, never in a step: building the native kernels when the machine has none,
+        converting the model, compiling; `on_phase` hears what is being done."""
+        if torch.device(config.device).type == "cpu":
+            on_phase("loading the native kernels")
+            kernels.native(on_phase)
         if model is None:
-            model, tokenizer = load_model(config.model, config.dtype, config.device)
+            on_phase(f"loading the model {config.model}")
+            model, tokenizer = load_model(config.model, config.dtype, config.device, on_phase)
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.info = ModelInfo.from_model(model, tokenizer)
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
@@ -45,7 +54,7 @@ class Engine:
         scheduler_config = msgspec.structs.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.runner = ModelRunner(model, self.info, num_blocks, config.block_size, config.device,
-                                  config.compile)
+                                  config.compile, on_phase)
         self.requests: dict[str, _Request] = {}
         self.last_step_tokens = 0  # tokens computed by the latest step (metrics, benchmarks)
 

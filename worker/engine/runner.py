@@ -14,6 +14,7 @@ import torch
 
 from worker.engine.attention import AttentionMetadata, run_model
 from worker.engine.compiled import compile_forward
+from worker.engine.disk_cache import Phase, quiet
 from worker.engine.linear import fuse_projections, pack_linear_layers, packing_backend, packing_works
 from worker.engine.models import ModelInfo, allocate_kv_cache
 from worker.engine.plan import StepPlan
@@ -22,11 +23,14 @@ from worker.engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
-                 device: str = "cpu", compile: bool = False) -> None:
+                 device: str = "cpu", compile: bool = False, on_phase: Phase = quiet) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        on_phase(f"allocating the KV cache ({num_blocks} blocks of {block_size} tokens, "
+                 f"{num_blocks * info.kv_bytes_per_block(block_size) / 2**30:.2f} GiB)")
         self.kv_caches = allocate_kv_cache(info, num_blocks, block_size, info.dtype, device)
+        on_phase("preparing the model's linear layers")
         fuse_projections(model)
         # oneDNN's packed op does not lower into a graph with unbacked sizes: compiled, inductor's GEMM serves.
         if self.device.type == "cpu" and packing_works(info.dtype) and not (
@@ -34,6 +38,7 @@ class ModelRunner:
             pack_linear_layers(model)
         self.forward = compile_forward(model) if compile else functools.partial(run_model, model)
         if compile:
+            on_phase("compiling the model forward (minutes on a cold compile cache)")
             self._compile_now()
 
     @torch.inference_mode()

@@ -1,0 +1,89 @@
+"""Start-up: while the engine loads, the heartbeat says "starting" and what the worker is doing,
+refreshed all along; then "ready", and "draining" after SIGTERM. A load that fails leaves no
+heartbeat behind."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from worker.config import WorkerConfig
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.service import Worker
+
+from .conftest import KEYS, MODEL, NUM_BLOCKS
+
+
+def config(redis_url: str) -> WorkerConfig:
+    return WorkerConfig(engine=EngineConfig.from_options(MODEL, num_blocks=NUM_BLOCKS), redis_url=redis_url,
+                        name="w1", heartbeat_interval=0.2, reclaim_idle_ms=60_000)
+
+
+def heartbeat(client) -> dict | None:
+    value = client.get(KEYS.worker("w1"))
+    return None if value is None else json.loads(value)
+
+
+def wait_for_phase(client, phase: str, timeout: float = 10) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = heartbeat(client)
+        if stats is not None and stats["phase"] == phase:
+            return stats
+        assert time.monotonic() < deadline, f"never saw phase {phase!r}; last: {stats}"
+        time.sleep(0.01)
+
+
+def test_the_heartbeat_follows_each_start_up_phase_then_says_ready_and_draining(redis_url, client, model,
+                                                                                 monkeypatch):
+    proceed = [threading.Event(), threading.Event()]
+
+    def slow_engine(engine_config, on_phase):
+        on_phase("building the native kernels")
+        proceed[0].wait(10)
+        on_phase("converting the model")
+        proceed[1].wait(10)
+        return Engine(engine_config, model=model)
+
+    monkeypatch.setattr("worker.service.Engine", slow_engine)
+    workers = []
+    loading = threading.Thread(target=lambda: workers.append(Worker(config(redis_url))))
+    loading.start()
+    try:
+        first = wait_for_phase(client, "building the native kernels")
+        assert first["state"] == "starting" and first["model"] == MODEL and first["running"] == 0
+        time.sleep(0.5)  # the phase goes on; the beat keeps the key alive
+        again = heartbeat(client)
+        assert again["phase"] == first["phase"] and again["updated_at"] > first["updated_at"]
+        assert 0 < client.pttl(KEYS.worker("w1")) <= config(redis_url).heartbeat_ttl_ms
+        proceed[0].set()
+        assert wait_for_phase(client, "converting the model")["state"] == "starting"
+        proceed[1].set()
+        loading.join(10)
+        worker = workers[0]
+        worker.poll()  # the loop's first beat
+        assert (heartbeat(client)["state"], heartbeat(client)["phase"]) == ("ready", "")
+        worker.stop()
+        worker.poll()
+        worker.housekeeping()
+        assert heartbeat(client)["state"] == "draining"
+        worker.close()
+        assert heartbeat(client) is None
+    finally:
+        for event in proceed:
+            event.set()
+        loading.join(10)
+
+
+def test_a_load_that_fails_leaves_no_heartbeat(redis_url, client, monkeypatch):
+    def broken_engine(engine_config, on_phase):
+        on_phase("loading the model")
+        time.sleep(0.3)
+        raise OSError("no such model")
+
+    monkeypatch.setattr("worker.service.Engine", broken_engine)
+    with pytest.raises(OSError, match="no such model"):
+        Worker(config(redis_url))
+    assert heartbeat(client) is None
