@@ -348,3 +348,23 @@ def test_victim_is_not_the_same_twice_in_a_row_when_there_is_a_choice():
     scheduler.last_victim = b
     assert scheduler._pick_victim(exclude=a) is c
     assert scheduler._pick_victim(exclude=c) is a
+
+
+def test_fast_lane_eviction_of_the_only_holder_of_its_cached_prefix_still_admits_it():
+    """The review's crash: the fast request's prefix blocks cost nothing while the victim holds
+    them and one free block each once it is evicted; the admission must count them after the
+    eviction (it used to fail an `assert pool.allocate(...)` and take the worker down)."""
+    scheduler = make_scheduler(num_blocks=10, block_size=8)
+    system = list(range(500, 516))  # 16 tokens: two full blocks
+    scheduler.add(Sequence("A", list(range(1000, 1040)), SamplingParams(max_tokens=8)), "normal")
+    scheduler.add(Sequence("V", system + [7], SamplingParams(max_tokens=8)), "normal")
+    step(scheduler)
+    fast = scheduler.add(Sequence("F", system + list(range(600, 620)), SamplingParams(max_tokens=8)), "fast")
+    for _ in range(8):
+        plan, _ = step(scheduler)
+        if fast in plan.scheduled:
+            break
+    assert fast in plan.scheduled and "V" in [seq.request_id for seq in plan.preempted]
+    assert fast.num_cached_tokens == 16  # admitted onto the prefix it evicted V from
+    drain(scheduler)
+    assert scheduler.pool.num_free_blocks == scheduler.pool.num_blocks

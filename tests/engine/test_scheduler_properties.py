@@ -50,18 +50,20 @@ def workloads(draw):
         watermark=draw(st.sampled_from([0.0, 0.1, 0.2])),
         fast_lane_share=draw(st.sampled_from([0.0, 0.3, 0.5])),
         fast_lane_protection=draw(st.sampled_from(["reserve", "preempt", "none"])),
+        fast_lane_max_wait_steps=draw(st.integers(0, 4)),
         victim_policy=draw(st.sampled_from(["cheapest", "newest", "most_blocks"])),
         policy=draw(st.sampled_from(["continuous", "static"])),
         max_num_seqs=draw(st.one_of(st.none(), st.integers(1, 16))),
         head_of_line_patience=draw(st.integers(1, 40)),
     )
-    system = draw(st.lists(st.integers(0, 50), min_size=0, max_size=40))
+    systems = draw(st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=40), min_size=1, max_size=3))
     requests = []
     for i in range(draw(st.integers(1, 25))):
         suffix = draw(st.lists(st.integers(0, 999), min_size=1, max_size=300))
+        shared = draw(st.sampled_from([[], *systems]))  # several requests on one system prompt
         requests.append(SimRequest(
             arrival_s=draw(st.floats(0, 0.5)),
-            prompt_token_ids=(system if draw(st.booleans()) else []) + suffix,
+            prompt_token_ids=shared + suffix,
             params=SamplingParams(max_tokens=draw(st.integers(1, 200)),
                                   ignore_eos=draw(st.booleans())),
             lane=draw(st.sampled_from([None, "fast", "normal"])),

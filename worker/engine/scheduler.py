@@ -219,16 +219,17 @@ class Scheduler:
         hits = pool.match_prefix(seq)
         num_cached = len(hits) * pool.block_size
         num_tokens = min(len(seq.token_ids) - num_cached, room)
-        cost = pool.admission_cost(seq, hits, num_tokens)
-        if pool.num_free_blocks - cost < self._admission_floor(seq):
-            if not self._evict_for_fast_lane(seq, cost, plan):
+        if pool.num_free_blocks - pool.admission_cost(seq, hits, num_tokens) < self._admission_floor(seq):
+            if not self._evict_for_fast_lane(seq, hits, num_tokens, plan):
                 return False
         pool.take_prefix(seq, hits)
         seq.num_computed_tokens = num_cached
         if seq.status is Status.WAITING:
             seq.num_cached_tokens = num_cached
             seq.first_scheduled_time = self.clock()
-        assert pool.allocate(seq, num_tokens)
+        if not pool.allocate(seq, num_tokens):  # admission_cost said it fits: a bug, not a full pool
+            raise RuntimeError(f"admitting {seq.request_id!r}: {num_tokens} tokens did not fit after the "
+                               f"admission check ({pool.num_free_blocks} free blocks)")
         seq.status = Status.RUNNING
         self.running[seq] = None
         self.prefilling[seq.lane][seq] = None
@@ -250,13 +251,15 @@ class Scheduler:
         held = self.pool.blocks_for(min(len(aged.token_ids), cfg.token_budget)) if aged else 0
         return share * self.pool.num_blocks + held
 
-    def _evict_for_fast_lane(self, seq: Sequence, cost: int, plan: StepPlan) -> bool:
-        """A fast request that waited too long evicts the newest normal-lane sequences."""
+    def _evict_for_fast_lane(self, seq: Sequence, hits: list, num_tokens: int, plan: StepPlan) -> bool:
+        """A fast request that waited too long evicts the newest normal-lane sequences until it
+        fits. Its cost is counted anew after each eviction: a victim may have been the last
+        holder of the request's cached prefix blocks, which then cost a free block each."""
         cfg = self.config
         if (seq.lane != "fast" or cfg.fast_lane_protection != "preempt"
                 or seq.skipped_admissions < cfg.fast_lane_max_wait_steps):
             return False
-        while self.pool.num_free_blocks < cost:
+        while self.pool.num_free_blocks < self.pool.admission_cost(seq, hits, num_tokens):
             victim = self._pick_victim(exclude=seq, lane="normal")
             if victim is None:
                 return False
