@@ -3,7 +3,7 @@ per worker (a process may hold several, as the tests do).
 
 Request latencies are measured from the moment this worker took the request from Redis;
 counters of the engine's own totals (preemptions, prefix cache) advance by the difference
-since the previous step.
+since the previous step (totals start again from 0 after the engine recovers from a failed step).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class Metrics:
         self.queue_pending = gauge("queue_pending", "Entries delivered to a worker, not yet acked.", ("lane",))
         self.reclaimed = counter("reclaimed_requests", "Requests taken over from an idle (dead) worker.")
         self.dead_letters = counter("dead_letters", "Entries moved to the dead-letter stream.")
+        self.failed_steps = counter("engine_failed_steps", "Engine steps that raised (the engine recovered).")
         self._engine_totals: dict[Counter, int] = {}
 
     def serve(self, port: int) -> WSGIServer:
@@ -84,8 +85,10 @@ class Metrics:
         self.kv_cache_usage.set(kv_usage(engine))
         for counter, total in ((self.preemptions, scheduler.num_preemptions),
                                (self.prefix_cache_queries, pool.prefix_queries),
-                               (self.prefix_cache_hits, pool.prefix_hits)):
-            counter.inc(total - self._engine_totals.get(counter, 0))
+                               (self.prefix_cache_hits, pool.prefix_hits),
+                               (self.failed_steps, engine.num_failed_steps)):
+            previous = self._engine_totals.get(counter, 0)
+            counter.inc(total - previous if total >= previous else total)  # the engine restarted its count
             self._engine_totals[counter] = total
 
     def observe_output(self, flight: Flight, output: RequestOutput, now: float) -> None:

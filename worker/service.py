@@ -8,8 +8,9 @@ One `poll()` is one turn:
   4. deadlines of requests not started yet, then one engine step;
   5. the outbox writes the turn's events in one round trip; finished entries are acked.
 
-A Redis error drops every request held: their entries stay pending, and a reclaim (ours or
-another worker's) resumes each from its replay stream, so nothing is written twice.
+A Redis error (or any other failure of a turn) drops every request held: their entries stay
+pending, and a reclaim (ours or another worker's) resumes each from its replay stream, so
+nothing is written twice. A failed engine step is the engine's to recover from (engine.py).
 """
 
 from __future__ import annotations
@@ -71,15 +72,23 @@ class Worker:
         self.log.info("worker.ready", model=self.config.engine.model, num_blocks=self.engine.pool.num_blocks)
         try:
             while not self.done:
-                try:
-                    self.poll()
-                except redis.RedisError as error:
-                    self.log.error("worker.redis_error", error=str(error))
-                    for flight in list(self.flights.values()):
-                        self.drop(flight, "redis error")
-                    time.sleep(REDIS_RETRY_S)
+                self.turn()
         finally:
             self.close()
+
+    def turn(self) -> None:
+        """One poll. A failure costs the requests held (their entries stay pending for a reclaim),
+        never the worker; the engine recovers from a failed step by itself (engine.py)."""
+        try:
+            self.poll()
+        except Exception as error:
+            if isinstance(error, redis.RedisError):
+                self.log.error("worker.redis_error", error=str(error))
+            else:
+                self.log.exception("worker.turn_failed")
+            for flight in list(self.flights.values()):
+                self.drop(flight, "redis error" if isinstance(error, redis.RedisError) else "worker error")
+            time.sleep(REDIS_RETRY_S)
 
     def stop(self) -> None:
         """Drain (SIGTERM): safe to call from a signal handler."""
@@ -169,7 +178,7 @@ class Worker:
                 flight.deadline = request.deadline
 
     def refuse(self, flight: Flight, code: str, message: str) -> None:
-        """An error event for a request that never reaches the engine; dead-lettered at its ack."""
+        """An error event for a request the engine will not serve; dead-lettered at its ack."""
         flight.log.warning("request.refused", code=code, reason=message)
         self.outbox.add_error(flight, code, message)
         flight.dead_letter = message
@@ -211,6 +220,9 @@ class Worker:
             if output.token_ids:
                 flight.last_token = now
                 self.generated += len(output.token_ids)
+            if output.poisoned:  # every engine step with it failed: it goes to the dead letters
+                self.refuse(flight, "internal", output.error)
+                continue
             if output.finished:
                 flight.log.info("request.finished", reason=output.finish_reason, error=output.error,
                                 completion_tokens=output.usage.completion_tokens)

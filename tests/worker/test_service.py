@@ -61,7 +61,7 @@ def test_fifty_concurrent_requests_of_mixed_lanes_match_the_offline_engine(make_
     assert lanes == {f"r{i}": LANES[i % 2] for i in range(50)}, "each runs in the lane of its stream"
     for lane in LANES:
         assert client.xpending(KEYS.requests(lane), GROUP)["pending"] == 0
-    assert worker.flights == {} and not worker.engine.has_unfinished
+    assert worker.flights == {}  # dropped: the engine lets go of it at its next step
 
 
 def cancel(client, request_id: str, publish: bool = True) -> None:
@@ -291,3 +291,44 @@ def test_a_live_worker_keeps_its_entries_from_being_reclaimed(make_worker, clien
     [entry] = client.xpending_range(KEYS.requests("normal"), GROUP, "-", "+", 10)
     assert entry["times_delivered"] == 1 and entry["time_since_delivered"] < 600, "refreshed, not re-delivered"
     assert {event.attempt for event in replay(client, "long")} == {1} and not is_finished(client, "long")
+
+
+def test_a_poison_request_is_dead_lettered_with_an_error_event_and_the_rest_are_served(make_worker, client, model):
+    worker = make_worker()
+    execute = worker.engine.runner.execute
+
+    def breaks_on_poison(plan):
+        if any(seq.request_id == "poison" for seq in plan.scheduled):
+            raise RuntimeError("this input breaks the model")
+        return execute(plan)
+
+    worker.engine.runner.execute = breaks_on_poison
+    prompts = prompts_of(4, seed=7)
+    for i, prompt in enumerate(prompts):
+        submit(client, Request(id=f"ok{i}", prompt_ids=prompt, params=greedy(8)))
+    submit(client, Request(id="poison", prompt_ids=[3, 4, 5], params=greedy(8)))
+    run_until([worker], lambda: backlog(client) == 0, timeout=30)
+    [event] = replay(client, "poison")
+    assert isinstance(event, ErrorEvent) and event.code == "internal"
+    assert "failed engine steps: RuntimeError: this input breaks the model" in event.message
+    [(_, letter)] = client.xrange(KEYS.dead_letters)
+    assert b"this input breaks the model" in letter[b"reason"]
+    for i, tokens in enumerate(offline(model, prompts, [greedy(8)] * 4)):
+        events = replay(client, f"ok{i}")
+        assert_numbered(events)
+        assert tokens_of(events) == tokens
+
+
+def test_a_turn_that_fails_costs_the_held_requests_not_the_worker(make_worker, client, monkeypatch):
+    worker = make_worker()
+    submit(client, Request(id="held", prompt_ids=[5, 6, 7], params=greedy(50)))
+    worker.poll()
+    assert "held" in worker.flights
+    monkeypatch.setattr("worker.service.REDIS_RETRY_S", 0)
+    monkeypatch.setattr(worker.outbox, "flush", lambda flights: 1 / 0)
+    worker.turn()  # does not raise
+    assert worker.flights == {}  # dropped: the engine lets go of it at its next step
+    assert client.xpending(KEYS.requests("normal"), GROUP)["pending"] == 1  # left for a reclaim
+    monkeypatch.undo()
+    submit(client, Request(id="next", prompt_ids=[8, 9], params=greedy(3)))
+    run_until([worker], lambda: is_finished(client, "next"))

@@ -20,11 +20,14 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     compile: bool = False  # torch.compile the model forward (compiled.py): faster steps, a minute to compile
     max_model_len: int | None = None  # None: the model's own
     truncate: Literal["reject", "left"] = "reject"  # an over-long prompt: refuse it, or keep its end
+    max_step_failures: int = 2  # failed steps a request may be part of before it is ended as poison
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_step_failures < 1:
+            raise ValueError(f"max_step_failures must be >= 1, got {self.max_step_failures}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
 

@@ -3,10 +3,22 @@
 One engine owns one model on one device: the scheduler and block pool decide, the
 runner computes, the sampler picks tokens, and each request's detokenizer turns them
 into text deltas. Pure: knows nothing of Redis.
+
+A step that raises (a bug, or an input that breaks the model) does not end the engine: the
+scheduler and pool start afresh, the model and the requests stay, and each request is
+recomputed from the tokens it has reported. The failure counts against the requests of that
+step, which become suspects: they go back into the scheduler one at a time, each on probation
+until it reports a token past the point where it failed (then its count is cleared). A failed
+step during a probation counts against the suspect alone. So a poison request is soon the only
+one blamed, and once in `max_step_failures` failed steps it is ended with an error
+(`RequestOutput.poisoned`) while everyone else is served, their tokens as if nothing happened.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,16 +34,24 @@ from worker.engine.disk_cache import Phase, quiet
 from worker.engine.inputs import PromptError, encode_prompt
 from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
 from worker.engine.outputs import RequestOutput, timings_of, usage_of
+from worker.engine.plan import StepPlan
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import SampleRequest, sample
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, Sequence
 
 
+log = logging.getLogger(__name__)
+
+
 @dataclass
 class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
+    lane: Lane | None  # as asked for
+    reported: int  # output tokens handed out in outputs (a resumed request's emitted ones included)
+    failed_steps: int = 0  # since it last got past a failure
+    failed_at: int = 0  # `reported` when its step last failed
 
 
 class Engine:
@@ -49,14 +69,22 @@ class Engine:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.info = ModelInfo.from_model(model, tokenizer)
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
-        num_blocks = config.num_blocks or num_blocks_for_memory(config.kv_cache_memory, self.info, config.block_size)
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        scheduler_config = msgspec.structs.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, self.pool)
-        self.runner = ModelRunner(model, self.info, num_blocks, config.block_size, config.device,
+        self.num_blocks = config.num_blocks or num_blocks_for_memory(config.kv_cache_memory, self.info,
+                                                                     config.block_size)
+        self._new_scheduler()
+        self.runner = ModelRunner(model, self.info, self.num_blocks, config.block_size, config.device,
                                   config.compile, on_phase)
         self.requests: dict[str, _Request] = {}
         self.last_step_tokens = 0  # tokens computed by the latest step (metrics, benchmarks)
+        self.num_failed_steps = 0
+        self.suspects: deque[str] = deque()  # requests of failed steps, waiting to go back one by one
+        self.on_probation: str | None = None  # the suspect back in the scheduler
+        self.ended_outside: list[Sequence] = []  # suspects cancelled before going back
+
+    def _new_scheduler(self) -> None:
+        self.pool = BlockPool(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        scheduler_config = msgspec.structs.replace(self.config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(scheduler_config, self.pool)
 
     # --- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, *, prompt: str | None = None, messages: list[dict] | None = None,
@@ -83,11 +111,17 @@ class Engine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.stop)
-        self.requests[request_id] = _Request(seq, detokenizer)
+        self.requests[request_id] = _Request(seq, detokenizer, lane, reported=len(emitted_token_ids))
         return self.scheduler.add(seq, lane)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """End a request now (cancel, deadline); its final output comes with the next step."""
+        if request_id in self.suspects:
+            self.suspects.remove(request_id)
+            seq = self.requests[request_id].seq
+            seq.finish(reason, time.monotonic())
+            self.ended_outside.append(seq)
+            return True
         return self.scheduler.finish_request(request_id, reason)
 
     @property
@@ -96,13 +130,29 @@ class Engine:
 
     # --- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        outputs = [self._final(seq, RequestOutput(seq.request_id)) for seq in self.ended_outside]
+        self.ended_outside = []
+        involved = set(self.scheduler.requests)  # until the plan says who is in the step
+        try:
+            self._readmit_suspect()
+            plan = self.scheduler.schedule()
+            involved = {seq.request_id for seq in plan.scheduled}
+            self._run(plan, outputs)
+            self._end_probation()
+        except Exception as error:  # whatever broke, the engine and everyone else go on
+            log.exception("engine step failed (%d requests in it); recomputing every request on a fresh "
+                          "scheduler", len(involved))
+            outputs += self._recover(involved, error)
+        return outputs
+
+    def _run(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        """One scheduled step; its outputs appended as they are made, so a failure midway keeps them."""
         self.last_step_tokens = plan.num_tokens
         # rejected or ended since the last step (one ended by a stop string is already closed)
-        outputs = [self._final(seq, RequestOutput(seq.request_id)) for seq in plan.finished
-                   if seq.request_id in self.requests and self.requests[seq.request_id].seq is seq]
+        outputs += [self._final(seq, RequestOutput(seq.request_id)) for seq in plan.finished
+                    if seq.request_id in self.requests and self.requests[seq.request_id].seq is seq]
         if not plan.scheduled:
-            return outputs
+            return
         seqs, logits = self.runner.execute(plan)
         sampled = sample(logits, [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids,
                                                 position=len(seq.token_ids)) for seq in seqs]) if seqs else None
@@ -110,11 +160,60 @@ class Engine:
         for i, seq in enumerate(seqs):
             outputs.append(self._token_output(seq, sampled.token_ids[i], sampled.logprobs[i],
                                               sampled.top_logprobs[i]))
+
+    def _recover(self, involved: set[str], error: Exception) -> list[RequestOutput]:
+        """After a failed step: a fresh scheduler and pool; every request rewound to the tokens it
+        reported and queued again, those of the failed step as suspects (or ended, past the bound)."""
+        self.num_failed_steps += 1
+        if self.on_probation in involved:
+            involved = {self.on_probation}  # the suspect is the one to blame, not who ran beside it
+        self._new_scheduler()
+        self.on_probation = None
+        outputs = []
+        for request_id, request in list(self.requests.items()):
+            seq = request.seq
+            if seq.is_finished:  # ended (cancel, deadline, stop) with its final output not yet made
+                outputs.append(self._final(seq, RequestOutput(request_id)))
+                continue
+            if request_id in involved:
+                request.failed_steps += 1
+                request.failed_at = request.reported
+            if request.failed_steps >= self.config.max_step_failures:
+                seq.finish(FinishReason.ERROR, time.monotonic(), error=f"ended after {request.failed_steps} "
+                           f"failed engine steps: {type(error).__name__}: {error}")
+                output = self._final(seq, RequestOutput(request_id))
+                output.poisoned = True
+                outputs.append(output)
+                continue
+            seq.rewind(seq.num_prompt_tokens + request.reported)
+            if request.failed_steps and request_id not in self.suspects:
+                self.suspects.append(request_id)
+            elif not request.failed_steps:
+                self.scheduler.add(seq, request.lane)
+        self.suspects = deque(request_id for request_id in self.suspects if request_id in self.requests)
         return outputs
+
+    def _end_probation(self) -> None:
+        request = self.requests.get(self.on_probation)
+        if request is None or request.reported > request.failed_at:  # finished, or got past its failure
+            if request is not None:
+                request.failed_steps = 0
+            self.on_probation = None
+
+    def _readmit_suspect(self) -> None:
+        """One suspect at a time goes back into the scheduler."""
+        if self.on_probation is not None:
+            return
+        if self.suspects:
+            request_id = self.suspects.popleft()
+            request = self.requests[request_id]
+            self.scheduler.add(request.seq, request.lane)
+            self.on_probation = request_id
 
     def _token_output(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None) -> RequestOutput:
         request = self.requests[seq.request_id]
+        request.reported += 1
         output = RequestOutput(seq.request_id, [token])
         if logprob is not None:
             output.logprobs, output.top_logprobs = [logprob], [top or []]

@@ -19,6 +19,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    poisoned: bool = False  # ended because engine steps with it kept failing (finish reason "error")
     usage: Usage | None = None
     timings: Timings | None = None
 

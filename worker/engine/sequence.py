@@ -86,6 +86,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def rewind(self, num_tokens: int) -> None:
+        """Back to the queue with only its first `num_tokens` tokens, none computed, no blocks
+        (a fresh pool after a failed step): recomputed as after a preemption."""
+        del self.token_ids[num_tokens:]
+        self.num_computed_tokens, self.block_table, self.block_hashes = 0, [], []
+        self.status = Status.WAITING if self.first_scheduled_time is None else Status.PREEMPTED
+        self.skipped_admissions = 0
+
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
