@@ -23,10 +23,8 @@ def engine_of(model, **options) -> Engine:
     return Engine(EngineConfig.from_options("random:llama", num_blocks=256, token_budget=64, **options), model=model)
 
 
-def run(engine, prompts, broken=lambda plan, step: None, limit=500):
-    """-> request id -> (tokens, final output); `broken(plan, step)` may raise inside the runner."""
-    for request_id, prompt in prompts.items():
-        engine.add_request(request_id, prompt_ids=prompt, params=GREEDY)
+def inject(engine, broken) -> None:
+    """`broken(plan, step)` runs before each runner call (steps counted from 1) and may raise."""
     execute, steps = engine.runner.execute, [0]
 
     def faulty(plan):
@@ -35,6 +33,13 @@ def run(engine, prompts, broken=lambda plan, step: None, limit=500):
         return execute(plan)
 
     engine.runner.execute = faulty
+
+
+def run(engine, prompts, broken=lambda plan, step: None, limit=500):
+    """-> request id -> (tokens, final output), with `broken` injected (see inject)."""
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt_ids=prompt, params=GREEDY)
+    inject(engine, broken)
     tokens, finals = {request_id: [] for request_id in prompts}, {}
     for _ in range(limit):
         if not engine.has_unfinished:
@@ -98,21 +103,14 @@ def test_a_failure_inside_the_scheduler_is_recovered_too(model, undisturbed):
 
 
 def test_a_cancel_of_a_suspect_still_ends_it(model):
-    def always(plan, step):
+    def second(plan, step):
         if step == 2:
             raise RuntimeError("injected fault")
 
     engine = engine_of(model)
     for request_id, prompt in PROMPTS.items():
         engine.add_request(request_id, prompt_ids=prompt, params=GREEDY)
-    execute, steps = engine.runner.execute, [0]
-
-    def faulty(plan):
-        steps[0] += 1
-        always(plan, steps[0])
-        return execute(plan)
-
-    engine.runner.execute = faulty
+    inject(engine, second)
     engine.step()
     engine.step()  # fails: the requests in it become suspects
     assert engine.suspects
