@@ -132,9 +132,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._final(seq, RequestOutput(seq.request_id)) for seq in self.ended_outside]
         self.ended_outside = []
-        involved = set(self.scheduler.requests)  # until the plan says who is in the step
+        involved = set(self.requests)
         try:
             self._readmit_suspect()
+            involved = set(self.scheduler.requests)  # until the plan says who is in the step
             plan = self.scheduler.schedule()
             involved = {seq.request_id for seq in plan.scheduled}
             self._run(plan, outputs)
