@@ -81,14 +81,17 @@ class Worker:
         never the worker; the engine recovers from a failed step by itself (engine.py)."""
         try:
             self.poll()
-        except Exception as error:
-            if isinstance(error, redis.RedisError):
-                self.log.error("worker.redis_error", error=str(error))
-            else:
-                self.log.exception("worker.turn_failed")
-            for flight in list(self.flights.values()):
-                self.drop(flight, "redis error" if isinstance(error, redis.RedisError) else "worker error")
-            time.sleep(REDIS_RETRY_S)
+        except redis.RedisError as error:
+            self.log.error("worker.redis_error", error=str(error))
+            self.drop_all("redis error")
+        except Exception:
+            self.log.exception("worker.turn_failed")
+            self.drop_all("worker error")
+
+    def drop_all(self, reason: str) -> None:
+        for flight in list(self.flights.values()):
+            self.drop(flight, reason)
+        time.sleep(REDIS_RETRY_S)  # before the next turn: the cause may need a moment
 
     def stop(self) -> None:
         """Drain (SIGTERM): safe to call from a signal handler."""

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from producer.protocol import LANES, Lane, pick_lane
-from worker.engine.blocks import BlockPool
+from worker.engine.blocks import Block, BlockPool
 from worker.engine.plan import StepPlan
 from worker.engine.scheduler_config import SchedulerConfig
 from worker.engine.sequence import FinishReason, Sequence, Status
@@ -251,7 +251,7 @@ class Scheduler:
         held = self.pool.blocks_for(min(len(aged.token_ids), cfg.token_budget)) if aged else 0
         return share * self.pool.num_blocks + held
 
-    def _evict_for_fast_lane(self, seq: Sequence, hits: list, num_tokens: int, plan: StepPlan) -> bool:
+    def _evict_for_fast_lane(self, seq: Sequence, hits: list[Block], num_tokens: int, plan: StepPlan) -> bool:
         """A fast request that waited too long evicts the newest normal-lane sequences until it
         fits. Its cost is counted anew after each eviction: a victim may have been the last
         holder of the request's cached prefix blocks, which then cost a free block each."""
