@@ -1,10 +1,11 @@
 """python -m producer: submit, stream, wait for, cancel requests; show the queues.
 
     python -m producer submit "Why is the sky blue?" --chat --stream --max-tokens 64
+    python -m producer submit "The sky is" --stream --max-tokens 8 --logprobs 3
     python -m producer result ID          python -m producer stats
 
-Text goes to stdout as it arrives (pipe-friendly); ids, summaries and errors go to
-stderr. Exit status: 0 done, 1 the request ended in an error or the producer refused /
+Text goes to stdout as it arrives (pipe-friendly); ids, summaries, logprobs and errors go
+to stderr. Exit status: 0 done, 1 the request ended in an error or the producer refused /
 failed / timed out, 2 bad command line, 130 interrupted.
 """
 
@@ -24,7 +25,7 @@ from rich.table import Table
 from producer.client import DEFAULT_URL, Producer
 from producer.completion import Completion
 from producer.errors import ProducerError
-from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent
+from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--max-tokens", type=int, default=256)
     submit.add_argument("--temperature", type=float, default=1.0)
     submit.add_argument("--seed", type=int)
+    submit.add_argument("--logprobs", type=int, metavar="N",
+                        help="show each token's logprob and the N most likely tokens (0: its own only)")
     submit.add_argument("--lane", choices=LANES, help="default: the lane rule decides")
     submit.add_argument("--id", help="request id (default: generated); submitting an id twice runs it once")
     submit.add_argument("--timeout", type=float, help="with --stream: give up after this many seconds")
@@ -81,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _submit(producer: Producer, args, errors: Console) -> int:
-    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+              "logprobs": args.logprobs}
     prompt = {"messages": [{"role": "user", "content": args.text}]} if args.chat else {"prompt": args.text}
     handle = producer.submit(**prompt, params={k: v for k, v in params.items() if v is not None},
                              lane=args.lane, request_id=args.id)
@@ -104,12 +108,17 @@ def _stream(producer: Producer, args, errors: Console) -> int:
 
 def _print_stream(producer: Producer, request_id: str, timeout: float | None, errors: Console) -> int:
     started = time.monotonic()
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
     for event in producer.stream(request_id, timeout):
         if isinstance(event, TokenEvent):
             sys.stdout.write(event.text)
             sys.stdout.flush()
+            token_ids += event.ids
+            logprobs += event.logprobs or ()
         elif isinstance(event, DoneEvent):
             print()
+            _print_logprobs(token_ids, logprobs, errors)
             errors.print(f"[dim]\\[{event.finish_reason} · {event.usage.completion_tokens} tokens · "
                          f"TTFT {event.timings.ttft:.2f} s · total {event.timings.total:.2f} s · "
                          f"watched {time.monotonic() - started:.2f} s][/]")
@@ -118,6 +127,7 @@ def _print_stream(producer: Producer, request_id: str, timeout: float | None, er
             return 1 if event.finish_reason == "error" else 0
         elif isinstance(event, ErrorEvent):
             print()
+            _print_logprobs(token_ids, logprobs, errors)
             errors.print(f"[red]error:[/] {escape(f'{event.code}: {event.message}')}")
             return 1
     raise AssertionError("a stream always ends with a terminal event")
@@ -129,8 +139,35 @@ def _result(producer: Producer, args, errors: Console) -> int:
         print(msgspec.json.encode(completion).decode())
     else:
         print(completion.text)
+        _print_logprobs(completion.token_ids, completion.logprobs or [], errors)
         errors.print(f"[dim]{escape(_summary(completion))}[/]")
     return 0 if completion.ok else 1
+
+
+def _print_logprobs(token_ids: list[int], logprobs: list[TokenLogprob], errors: Console) -> None:
+    """One row per generated token: its text, id and logprob, and the most likely tokens."""
+    if not logprobs:
+        return
+    top_n = max(len(entry.top) for entry in logprobs)
+    table = Table("#", "token", "id", "logprob", title="logprobs", show_lines=bool(top_n))
+    if top_n:  # logprobs=0 asked for the chosen tokens' own only
+        table.add_column(f"top {top_n}")
+    for i, (token_id, entry) in enumerate(zip(token_ids, logprobs)):
+        cells = [str(i), escape(_token_text(entry.text, token_id)), str(token_id), f"{entry.logprob:.3f}"]
+        if top_n:
+            alternatives = Table.grid(padding=(0, 2))  # one per line: a token's text may hold spaces
+            alternatives.add_column()
+            alternatives.add_column(justify="right")
+            for alt in entry.top:
+                alternatives.add_row(escape(_token_text(alt.text, alt.id)), f"{alt.logprob:.3f}")
+            cells.append(alternatives)
+        table.add_row(*cells)
+    errors.print(table)
+
+
+def _token_text(text: str, token_id: int) -> str:
+    """Quoted, so that spaces and newlines show; the id where the worker had no tokenizer."""
+    return repr(text) if text else f"#{token_id}"
 
 
 def _summary(completion: Completion) -> str:

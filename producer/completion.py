@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from producer.protocol import DoneEvent, ErrorEvent, Event, FinishReason, Timings, TokenEvent, Usage
+from producer.protocol import (DoneEvent, ErrorEvent, Event, FinishReason, Timings, TokenEvent, TokenLogprob,
+                               Usage)
 
 
 class Completion(msgspec.Struct):
@@ -17,7 +18,7 @@ class Completion(msgspec.Struct):
     usage: Usage | None = None  # None when the request ended with an ErrorEvent
     timings: Timings | None = None
     error: str | None = None  # "code: message" when finish_reason is "error"
-    logprobs: list[float] | None = None  # when the request asked for them
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     attempts: int = 1  # deliveries it took (> 1: resumed after a worker died)
 
     @property
@@ -29,7 +30,7 @@ class Completion(msgspec.Struct):
         """Fold the in-order events of one request; the last must be terminal."""
         texts: list[str] = []
         token_ids: list[int] = []
-        logprobs: list[float] = []
+        logprobs: list[TokenLogprob] = []
         attempts = 1
         for event in events:
             attempts = max(attempts, event.attempt)

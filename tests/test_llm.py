@@ -50,3 +50,20 @@ def test_strings_token_ids_and_stop_strings(llm):
     stopped = llm.generate("Count: one, two, three,", SamplingParams(max_tokens=30, temperature=0.0, stop=[","]),
                            progress=False)[0]
     assert stopped.finish_reason == "stop" and "," not in stopped.text
+
+
+def test_logprobs_are_the_raw_models_with_each_tokens_text(llm, reference):
+    prompt = [504, 3276, 314]
+    [completion] = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), progress=False)
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1]
+    want = logits.float().log_softmax(dim=1)
+    decode = llm.engine.tokenizer.decode
+    assert len(completion.logprobs) == len(completion.token_ids) == 6
+    for position, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        values, ids = want[position].topk(3)
+        assert entry.logprob == pytest.approx(float(want[position, token_id]), abs=1e-3)
+        assert [alt.id for alt in entry.top] == ids.tolist()
+        assert [alt.logprob for alt in entry.top] == pytest.approx(values.tolist(), abs=1e-3)
+        assert entry.text == decode([token_id])
+        assert [alt.text for alt in entry.top] == [decode([i]) for i in ids.tolist()]

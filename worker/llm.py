@@ -15,7 +15,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from producer.protocol import FinishReason, SamplingParams, Timings, Usage
+from producer.protocol import FinishReason, SamplingParams, Timings, TokenLogprob, Usage
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 
@@ -27,7 +27,7 @@ class Completion:
     request_id: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked for
     finish_reason: FinishReason | None = None
     error: str | None = None
     usage: Usage | None = None

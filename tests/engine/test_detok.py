@@ -24,6 +24,17 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> lis
     return deltas + [detok.finish()]
 
 
+def stream_until_stop(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    """Feed `ids` one at a time, as the engine does, until a stop string ends it; the deltas,
+    then finish() unless a stop string ended it."""
+    deltas = []
+    for token in ids:
+        deltas.append(detok.add([token]))
+        if detok.stop_reached:
+            return deltas
+    return deltas + [detok.finish()]
+
+
 @pytest.mark.parametrize("text", ["I like 🙂, 🦜 and 👍🏽!", "日本語と你好世界 ok", "Жук € 🫠"])
 def test_characters_split_across_byte_tokens_never_come_out_broken(tokenizer, text):
     ids = encode(tokenizer, text)
@@ -114,6 +125,43 @@ def test_only_a_small_window_is_decoded_per_step(tokenizer):
     assert Counting.longest <= 8
 
 
+# --- resuming: an earlier attempt emitted ids[:cut], a fresh detokenizer goes on -----------
+
+def assert_resumes_like_undisturbed(tokenizer, prompt: list[int], ids: list[int], stop: list[str]) -> list[int]:
+    """Resume at every cut point before the run ended: the deltas of the rest, token for token,
+    and the stop string found are the undisturbed run's. -> the cut points where the earlier
+    attempt had held text back (decode of what it emitted is more than it released)."""
+    undisturbed = IncrementalDetokenizer(tokenizer, prompt, stop=stop)
+    deltas = stream_until_stop(undisturbed, ids)
+    held_back = []
+    for cut in range(len(deltas)):  # the last delta is finish()'s, or the stop string's token
+        resumed = IncrementalDetokenizer(tokenizer, prompt, stop=stop, emitted_ids=ids[:cut])
+        assert stream_until_stop(resumed, ids[cut:]) == deltas[cut:], f"resumed after {cut} tokens"
+        assert resumed.stop_string == undisturbed.stop_string
+        if "".join(deltas[:cut]) != tokenizer.decode(ids[:cut]):
+            held_back.append(cut)
+    return held_back
+
+
+@pytest.mark.parametrize("text", ["I like 🦜 and 日本語!", "Жук € 🫠", "a 🙂🙂 b"])
+def test_resumed_inside_a_character_releases_the_whole_character(tokenizer, text):
+    ids = encode(tokenizer, text)
+    held_back = assert_resumes_like_undisturbed(tokenizer, encode(tokenizer, "Say:"), ids, [])
+    assert held_back  # some cut points do fall inside a character
+
+
+@pytest.mark.parametrize("text, stop", [
+    ("one two three four five", " three four"),  # " three" held by the earlier attempt
+    ("I like 🦜 and 日本語!", "🦜 and"),  # starts inside a split character
+    ("I like 🦜 and 日本語!", "and 日"),  # ends inside one
+    ("the end is near", " nearby"),  # held, never completed: finish() releases it
+])
+def test_resumed_inside_a_stop_string_stops_where_an_undisturbed_run_does(tokenizer, text, stop):
+    ids = encode(tokenizer, text)
+    held_back = assert_resumes_like_undisturbed(tokenizer, encode(tokenizer, "Say:"), ids, [stop])
+    assert held_back
+
+
 # --- property: any token sequence, including invalid UTF-8 fragments -------------------
 
 @pytest.fixture(scope="module")
@@ -132,6 +180,14 @@ def pieces(tokenizer, fragments, specials):
     ), max_size=8).map(lambda parts: [i for part in parts for i in part])
 
 
+def draw_stop(data, full: str) -> list[str]:
+    """No stop string, or a short piece of the full output text."""
+    if not full or not data.draw(st.booleans(), "with_stop"):
+        return []
+    start = data.draw(st.integers(0, len(full) - 1), "stop_start")
+    return [full[start:start + data.draw(st.integers(1, 4), "stop_len")]]
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_property_deltas_add_up_to_the_full_decode(tokenizer, token_pools, data):
@@ -139,10 +195,7 @@ def test_property_deltas_add_up_to_the_full_decode(tokenizer, token_pools, data)
     prompt, output = data.draw(strategy, "prompt"), data.draw(strategy, "output")
     skip = data.draw(st.booleans(), "skip_special_tokens")
     full = tokenizer.decode(output, skip_special_tokens=skip)
-    stop = []
-    if full and data.draw(st.booleans(), "with_stop"):
-        start = data.draw(st.integers(0, len(full) - 1), "stop_start")
-        stop = [full[start:start + data.draw(st.integers(1, 4), "stop_len")]]
+    stop = draw_stop(data, full)
     detok = IncrementalDetokenizer(tokenizer, prompt, stop=stop, skip_special_tokens=skip)
     released, fed = "", 0
     while fed < len(output) and not detok.finished:
@@ -159,3 +212,17 @@ def test_property_deltas_add_up_to_the_full_decode(tokenizer, token_pools, data)
         assert released == full[: full.index(stop[0])]
     else:
         assert released == full and not detok.stop_reached
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_a_resumed_stream_goes_on_exactly_like_the_undisturbed_one(tokenizer, token_pools, data):
+    strategy = pieces(tokenizer, *token_pools)
+    prompt, output = data.draw(strategy, "prompt"), data.draw(strategy, "output")
+    stop = draw_stop(data, tokenizer.decode(output))
+    undisturbed = IncrementalDetokenizer(tokenizer, prompt, stop=stop)
+    deltas = stream_until_stop(undisturbed, output)
+    cut = data.draw(st.integers(0, len(deltas) - 1), "cut")
+    resumed = IncrementalDetokenizer(tokenizer, prompt, stop=stop, emitted_ids=output[:cut])
+    assert stream_until_stop(resumed, output[cut:]) == deltas[cut:]
+    assert resumed.stop_string == undisturbed.stop_string

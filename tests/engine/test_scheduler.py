@@ -116,7 +116,7 @@ def test_head_of_line_request_is_skipped_then_admitted_when_memory_frees():
     plan, _ = step(scheduler)
     assert small in plan.scheduled and big not in plan.scheduled
     drain(scheduler)
-    assert big.finish_reason is FinishReason.LENGTH and big.skipped_admissions >= 1
+    assert big.finish_reason is FinishReason.LENGTH and not scheduler.refused_since
 
 
 def test_aged_request_is_not_jumped():
@@ -135,6 +135,26 @@ def test_aged_request_is_not_jumped():
     assert other_lane not in plan.scheduled  # the other lane must leave big's room free
     drain(scheduler)
     assert big.first_scheduled_time is not None and big.finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("patience", [1, 2, 3, 6])
+def test_head_of_line_patience_runs_out_in_exactly_that_many_steps(patience):
+    """Counted in engine steps, not admission passes: the normal lane gets two passes per step
+    here (its own, then the work-conserving one), and the request is refused in both."""
+    scheduler = make_scheduler(num_blocks=40, watermark=0.2, head_of_line_patience=patience)
+    add(scheduler, "hog", 400, 100, lane="normal")  # leaves 14-15 blocks free while it decodes
+    step(scheduler)
+    big = add(scheduler, "big", 300, 10, lane="normal", first_token=10_000)  # 19 blocks: never fits
+    observed = []
+    for i in range(patience + 1):
+        small = add(scheduler, f"small{i}", 4, 1, lane="normal", first_token=20_000 + i * 10)
+        plan, _ = step(scheduler)
+        assert big not in plan.scheduled
+        observed.append((big in scheduler.aged, small in plan.scheduled))
+        if small not in plan.scheduled:
+            scheduler.finish_request(small.request_id)
+    # jumped while patient; from the patience-th refused step on, nobody behind it is admitted
+    assert observed == [(False, True)] * (patience - 1) + [(True, False)] * 2
 
 
 @pytest.mark.parametrize("prompt_len, max_tokens, why", [
@@ -288,6 +308,22 @@ def test_fast_lane_is_not_stuck_behind_a_full_pool(protection):
     result = simulate(config, num_blocks=400, block_size=16, requests=requests)
     quick = next(s for s in result.sequences if s.request_id == "quick")
     assert quick.first_token_time - quick.arrival_time < 0.2  # a handful of steps, not minutes
+
+
+@pytest.mark.parametrize("max_wait", [0, 1, 2, 4])
+def test_fast_request_evicts_after_waiting_exactly_max_wait_steps(max_wait):
+    """Counted in engine steps, not admission passes: the fast lane gets two passes per step
+    here (its share, then what the normal lane left), and the request is refused in both."""
+    scheduler = make_scheduler(num_blocks=16, watermark=0.0, fast_lane_protection="preempt",
+                               fast_lane_max_wait_steps=max_wait)
+    older, newer = (add(scheduler, f"n{i}", 100, 20, lane="normal", first_token=i * 1000) for i in range(2))
+    step(scheduler)  # 7 blocks each: 2 free, and room to decode 12 tokens without growing
+    fast = add(scheduler, "fast", 40, 4, lane="fast", first_token=50_000)  # needs 3 blocks
+    for waited in range(max_wait):
+        plan, _ = step(scheduler)
+        assert fast not in plan.scheduled and not plan.preempted, f"evicted after {waited} steps"
+    plan, _ = step(scheduler)
+    assert fast in plan.scheduled and plan.preempted == [newer] and older in plan.scheduled
 
 
 # --- static policy and slot utilisation ----------------------------------------------------

@@ -1,12 +1,13 @@
 """python -m producer, run in-process (main(argv)) against the private server."""
 
 import json
+import re
 
 import pytest
 import redis
 
 from producer.cli import main
-from producer.protocol import Keys
+from producer.protocol import Keys, TokenEvent, TokenLogprob, TopLogprob
 from tests.producer.fake_worker import FakeWorker, done, error, running, token
 
 KEYS = Keys("sb")
@@ -103,3 +104,26 @@ def test_ctrl_c_while_streaming_a_submit_cancels_it(cli, redis_url, monkeypatch)
     status, _, err = cli("submit", "x", "--stream", "--id", "abandoned")
     assert status == 130 and "cancelled abandoned" in err
     assert redis.Redis.from_url(redis_url).exists(KEYS.cancelled("abandoned"))
+
+
+def test_submit_asks_for_logprobs_and_result_and_stream_print_them_per_token(cli, redis_url):
+    cli("submit", "x", "--logprobs", "2", "--id", "lp")
+    [taken] = FakeWorker(redis_url).take()
+    assert taken.request.params.logprobs == 2
+    logprobs = [TokenLogprob(-0.105, " blue", [TopLogprob(5, -0.105, " blue"), TopLogprob(9, -2.5, " [red]")]),
+                TokenLogprob(-1.5, "", [TopLogprob(4, -0.5), TopLogprob(6, -1.5)])]  # no tokenizer: ids
+    FakeWorker(redis_url).emit("lp", TokenEvent(seq=0, attempt=1, ids=[5, 6], text=" blue", logprobs=logprobs),
+                               done(1, completion_tokens=2))
+    for command in ("result", "stream"):
+        status, out, err = cli(command, "lp")
+        assert (status, out) == (0, " blue\n")
+        rows = [re.sub("[\u2500-\u257f]", " ", line).split() for line in err.splitlines()]  # no box lines
+        assert ["#", "token", "id", "logprob", "top", "2"] in rows
+        first = rows.index(["0", "'", "blue'", "5", "-0.105", "'", "blue'", "-0.105"])  # alternatives: a line each
+        assert rows[first + 1] == ["'", "[red]'", "-2.500"]
+        second = rows.index(["1", "#6", "6", "-1.500", "#4", "-0.500"])
+        assert rows[second + 1] == ["#6", "-1.500"]
+    status, out, _ = cli("result", "lp", "--json")
+    assert json.loads(out)["logprobs"] == [
+        {"logprob": -0.105, "text": " blue", "top": [[5, -0.105, " blue"], [9, -2.5, " [red]"]]},
+        {"logprob": -1.5, "top": [[4, -0.5, ""], [6, -1.5, ""]]}]

@@ -14,6 +14,12 @@ technique known from vLLM): `prefix` is the text of ids[prefix_offset:read_offse
 released, and decoding ids[prefix_offset:] gives it plus the new text. The window starts a
 few prompt tokens back so that the first output token decodes with its real leading space.
 
+A resumed request (its earlier attempt already emitted some output ids) gets those ids as
+`emitted_ids`: they are replayed one token per add(), as the engine fed them, with the deltas
+dropped (the earlier attempt released those). That leaves exactly the state of an undisturbed
+run at that point, held-back text included: the half of a character, or the start of a stop
+string, that the earlier attempt had not released yet comes out with the next tokens.
+
 Contract: without a stop string, the deltas from add() plus finish() concatenate to exactly
 tokenizer.decode(output_ids) with the same skip_special_tokens. finish() flushes a still
 incomplete trailing character the way decode renders it (U+FFFD): the result text always
@@ -31,7 +37,7 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output t
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, emitted_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stop = [s for s in stop if s]
@@ -44,6 +50,8 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded, final, not yet released (a possible stop-string start)
         self.stop_string: str | None = None
         self.finished = False
+        for token in emitted_ids:  # one per add(), as the engine fed them: the same state results
+            self.add([token])
 
     @property
     def stop_reached(self) -> bool:

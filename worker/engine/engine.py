@@ -33,7 +33,7 @@ from worker.engine.detok import IncrementalDetokenizer
 from worker.engine.disk_cache import Phase, quiet
 from worker.engine.inputs import PromptError, encode_prompt
 from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
-from worker.engine.outputs import RequestOutput, timings_of, usage_of
+from worker.engine.outputs import RequestOutput, timings_of, token_logprob, usage_of
 from worker.engine.plan import StepPlan
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import SampleRequest, sample
@@ -93,7 +93,8 @@ class Engine:
         """Tokenize and queue a request. Raises PromptError (a ValueError) for a prompt that
         cannot be served; a request that can never fit comes back finished with an error.
         `emitted_token_ids` resumes a request that already produced those tokens elsewhere:
-        they are recomputed with the prompt and count as output (max_tokens, penalties)."""
+        they are recomputed with the prompt and count as output (max_tokens, penalties), and the
+        text the earlier attempt held back of them comes out with the next tokens."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -110,7 +111,8 @@ class Engine:
         seq.token_ids.extend(emitted_token_ids)
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                                 emitted_ids=emitted_token_ids)
         self.requests[request_id] = _Request(seq, detokenizer, lane, reported=len(emitted_token_ids))
         return self.scheduler.add(seq, lane)
 
@@ -217,7 +219,7 @@ class Engine:
         request.reported += 1
         output = RequestOutput(seq.request_id, [token])
         if logprob is not None:
-            output.logprobs, output.top_logprobs = [logprob], [top or []]
+            output.logprobs = [token_logprob(self.tokenizer, token, logprob, top)]
         if request.detokenizer is not None:
             output.text = request.detokenizer.add([token])
             if request.detokenizer.stop_reached and not seq.is_finished:

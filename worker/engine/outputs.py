@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from producer.protocol import FinishReason, Timings, Usage
+from producer.protocol import FinishReason, Timings, TokenLogprob, TopLogprob, Usage
 from worker.engine.sequence import Sequence
 
 
@@ -15,8 +16,7 @@ class RequestOutput:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # the text delta; never a broken character, never past a stop string
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
     finish_reason: FinishReason | None = None
     error: str | None = None
     poisoned: bool = False  # ended because engine steps with it kept failing (finish reason "error")
@@ -26,6 +26,15 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def token_logprob(tokenizer: Any, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+    """The sampler's logprobs of one token, with each token's text decoded alone (special tokens
+    shown, as vLLM does; "" without a tokenizer): the producer has no tokenizer to do it."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+    return TokenLogprob(logprob, text(token),
+                        [TopLogprob(token_id, value, text(token_id)) for token_id, value in top])
 
 
 def usage_of(seq: Sequence) -> Usage:

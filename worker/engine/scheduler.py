@@ -36,6 +36,9 @@ class Scheduler:
         self.decoding: dict[Sequence, None] = {}
         self.prefilling: dict[Lane, dict[Sequence, None]] = {lane: {} for lane in LANES}
         self.aged: dict[Sequence, None] = {}  # waited past patience: admitted before anyone else
+        # waiting request -> the step of its first refused admission. Waits are measured in steps
+        # from it because a lane may get several admission passes in one step.
+        self.refused_since: dict[Sequence, int] = {}
         self.requests: dict[str, Sequence] = {}
         self.pending_finished: list[Sequence] = []
         self.num_steps = 0
@@ -85,6 +88,7 @@ class Scheduler:
         else:
             self.waiting[seq.lane].remove(seq)
             self.aged.pop(seq, None)
+            self.refused_since.pop(seq, None)
         self._finish(seq, reason)
         self.pending_finished.append(seq)
         return True
@@ -204,7 +208,7 @@ class Scheduler:
             if self._try_admit(seq, stop_at - plan.num_tokens, plan):
                 continue
             skipped.append(seq)  # head-of-line: it does not fit now, smaller ones may
-            self._age(seq)
+            self._note_refusal(seq)
             if seq in self.aged or len(skipped) > self.config.max_admission_skips:
                 break  # nobody in its lane jumps a request that has waited too long
         queue.extendleft(reversed(skipped))
@@ -234,6 +238,7 @@ class Scheduler:
         self.running[seq] = None
         self.prefilling[seq.lane][seq] = None
         self.aged.pop(seq, None)
+        self.refused_since.pop(seq, None)
         plan.add(seq, num_tokens)
         return True
 
@@ -252,12 +257,13 @@ class Scheduler:
         return share * self.pool.num_blocks + held
 
     def _evict_for_fast_lane(self, seq: Sequence, hits: list[Block], num_tokens: int, plan: StepPlan) -> bool:
-        """A fast request that waited too long evicts the newest normal-lane sequences until it
-        fits. Its cost is counted anew after each eviction: a victim may have been the last
-        holder of the request's cached prefix blocks, which then cost a free block each."""
+        """A fast request that has waited fast_lane_max_wait_steps steps since its first refusal
+        evicts the newest normal-lane sequences until it fits. Its cost is counted anew after each
+        eviction: a victim may have been the last holder of the request's cached prefix blocks,
+        which then cost a free block each."""
         cfg = self.config
         if (seq.lane != "fast" or cfg.fast_lane_protection != "preempt"
-                or seq.skipped_admissions < cfg.fast_lane_max_wait_steps):
+                or self._steps_waited(seq) < cfg.fast_lane_max_wait_steps):
             return False
         while self.pool.num_free_blocks < self.pool.admission_cost(seq, hits, num_tokens):
             victim = self._pick_victim(exclude=seq, lane="normal")
@@ -266,9 +272,15 @@ class Scheduler:
             self._preempt(victim, plan)
         return True
 
-    def _age(self, seq: Sequence) -> None:
-        seq.skipped_admissions += 1
-        if seq.skipped_admissions >= self.config.head_of_line_patience:
+    def _steps_waited(self, seq: Sequence) -> int:
+        """Whole steps since the step of the request's first refused admission (0: none yet)."""
+        return self.num_steps - self.refused_since.get(seq, self.num_steps)
+
+    def _note_refusal(self, seq: Sequence) -> None:
+        """Head-of-line aging: patience runs out in the head_of_line_patience-th step, counting
+        the step of the first refusal as the first."""
+        self.refused_since.setdefault(seq, self.num_steps)
+        if self._steps_waited(seq) + 1 >= self.config.head_of_line_patience:
             self.aged[seq] = None
 
     def _unstick(self, plan: StepPlan) -> None:

@@ -23,16 +23,23 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     fast_max_tokens: int = FAST_MAX_TOKENS
     # How the fast lane avoids waiting behind a pool full of normal-lane work:
     # "reserve" keeps fast_lane_share of the pool out of normal-lane admissions;
-    # "preempt" lets a fast request that waited fast_lane_max_wait_steps evict the newest
-    # normal-lane sequence. ops/bench_scheduler.py measures both.
+    # "preempt" lets a fast request that has waited fast_lane_max_wait_steps engine steps since
+    # the step of its first refused admission evict the newest normal-lane sequences until its
+    # first chunk fits. ops/bench_scheduler.py measures both.
     fast_lane_protection: FastLaneProtection = "preempt"
     fast_lane_max_wait_steps: int = 4
     victim_policy: VictimPolicy = "cheapest"
     cooldown_after_steps: int = 3  # preemptions in this many consecutive steps start a cool-down
     cooldown_watermark: float = 0.1  # added to the watermark while cooling down
     calm_steps: int = 32  # steps without preemption that end a cool-down
-    head_of_line_patience: int = 64  # skips after which a request stops others from jumping it
-    max_admission_skips: int = 32  # waiting requests examined past non-fitting ones per step
+    # A waiting request's patience runs out in the head_of_line_patience-th engine step,
+    # counting the step of its first refused admission as the first: from then on nobody in
+    # its lane is admitted ahead of it, the other lane leaves room for its first chunk, and it
+    # is admitted without the watermark as soon as that chunk fits.
+    head_of_line_patience: int = 64
+    # waiting requests examined past non-fitting ones per admission pass (a lane can get two
+    # passes in a step: its share, then what the other lane left)
+    max_admission_skips: int = 32
     policy: Policy = "continuous"
 
     def __post_init__(self) -> None:

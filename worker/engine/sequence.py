@@ -48,7 +48,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0
-    skipped_admissions: int = 0  # head-of-line aging: times it did not fit while others did
     length_limit: int = 0  # total tokens at which it ends: prompt + max_tokens, or the model length
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -92,7 +91,6 @@ class Sequence:
         del self.token_ids[num_tokens:]
         self.num_computed_tokens, self.block_table, self.block_hashes = 0, [], []
         self.status = Status.WAITING if self.first_scheduled_time is None else Status.PREEMPTED
-        self.skipped_admissions = 0
 
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
         self.status = Status.FINISHED
