@@ -1,8 +1,6 @@
 """AsyncProducer: the Producer's API on redis.asyncio, for asyncio services.
 
-Same Redis traffic and the same stream algorithm as producer/client.py (read its
-docstring); the decisions themselves (validation, lane, ordering, folding, heartbeat
-parsing) live in the pure modules both share, so only the awaits differ here."""
+The same flows as Producer (producer/core.py) run here: only the awaits differ."""
 
 from __future__ import annotations
 
@@ -11,25 +9,22 @@ from collections.abc import AsyncIterator
 import redis
 import redis.asyncio
 
-from producer.client import DEFAULT_URL, Deadline, decode_event_from, is_subscribe
+from producer.client import DEFAULT_URL
 from producer.completion import Completion
-from producer.errors import QueueFull, UnknownRequest
-from producer.protocol import FIELD, GROUP, LANES, Event, Keys, Lane, Message, Request, SamplingParams, encode
-from producer.sequencer import EventSequencer
-from producer.stats import LaneStats, QueueStats, parse_heartbeat
-from producer.submission import build_request, checked_id, choose_lane
+from producer.core import Call, Deliver, Flow, Operation, ProducerCore, Steps, Subscribe
+from producer.protocol import Event, Keys, Lane, Message, Request, SamplingParams
+from producer.stats import QueueStats
+from producer.submission import build_request, checked_id
 
 
 class AsyncProducer:
     def __init__(self, url: str = DEFAULT_URL, *, prefix: str = "sb", max_backlog: int = 10_000,
-                 replay_ttl: float = 3600, poll_interval: float = 1.0) -> None:
-        self.keys = Keys(prefix)
-        self.max_backlog = max_backlog
-        self.replay_ttl = int(replay_ttl)
-        self.poll_interval = poll_interval
+                 claim_ttl: float = 3600, poll_interval: float = 1.0) -> None:
+        """See Producer."""
+        self.core = ProducerCore(Keys(prefix), max_backlog, int(claim_ttl), poll_interval)
+        self.keys = self.core.keys
         self.redis = redis.asyncio.Redis.from_url(url)
         self._listener = redis.asyncio.Redis.from_url(url, socket_timeout=None)  # see Producer
-        self._grouped: set[str] = set()
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -48,31 +43,11 @@ class AsyncProducer:
         """See Producer.submit."""
         request = build_request(prompt, messages=messages, prompt_ids=prompt_ids, params=params,
                                 lane=lane, request_id=request_id, deadline=deadline)
-        lane = choose_lane(request)
-        stream = self.keys.requests(lane)
-        await self._ensure_group(stream)
-        claim = self.keys.submitted(request.id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(claim, lane, nx=True, get=True, ex=self.replay_ttl)
-        pipe.xlen(stream)
-        earlier_lane, backlog = await pipe.execute()
-        if earlier_lane is not None:
-            return AsyncHandle(self, request.id, earlier_lane.decode(), duplicate=True)
-        try:
-            if backlog >= self.max_backlog:
-                raise QueueFull(lane, backlog, self.max_backlog)
-            await self.redis.xadd(stream, {FIELD: encode(request)})
-        except BaseException:
-            await self.redis.delete(claim)
-            raise
-        return AsyncHandle(self, request.id, lane)
+        lane, duplicate = await self._run(self.core.submit(request))
+        return AsyncHandle(self, request.id, lane, duplicate)
 
     async def cancel(self, request_id: str) -> None:
-        checked_id(request_id)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(self.keys.cancelled(request_id), b"1", ex=self.replay_ttl)
-        pipe.publish(self.keys.cancel_channel, request_id)
-        await pipe.execute()
+        await self._run(self.core.cancel(checked_id(request_id)))
 
     def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[Event]:
         return AsyncHandle(self, checked_id(request_id)).stream(timeout)
@@ -81,32 +56,42 @@ class AsyncProducer:
         return await AsyncHandle(self, checked_id(request_id)).result(timeout)
 
     async def stats(self) -> QueueStats:
-        lanes = {}
-        for lane in LANES:
-            stream = self.keys.requests(lane)
-            try:
-                pending = (await self.redis.xpending(stream, GROUP))["pending"]
-            except redis.ResponseError:
-                pending = 0
-            lanes[lane] = LaneStats(backlog=await self.redis.xlen(stream), pending=pending)
-        workers = []
-        async for name in self.redis.scan_iter(match=self.keys.workers_pattern, count=100):
-            kind = await self.redis.type(name)
-            if kind in (b"hash", b"string"):
-                value = await (self.redis.hgetall(name) if kind == b"hash" else self.redis.get(name))
-                if value:  # empty: expired between the two reads
-                    workers.append(parse_heartbeat(name.decode(), value))
-        workers.sort(key=lambda worker: worker.name)
-        return QueueStats(lanes, workers, dead_letters=await self.redis.xlen(self.keys.dead_letters))
+        return await self._run(self.core.stats())
 
-    async def _ensure_group(self, stream: str) -> None:
-        if stream not in self._grouped:
+    async def _run(self, flow: Flow):
+        steps = Steps(flow)
+        async for _ in self._drive(steps, None):
+            raise AssertionError("this flow delivers no events")
+        return steps.value
+
+    async def _drive(self, steps: Steps, pubsub) -> AsyncIterator[Event]:
+        operation = steps.next()
+        while operation is not None:
+            if isinstance(operation, Deliver):
+                for event in operation.events:
+                    yield event
+                operation = steps.next()
+                continue
             try:
-                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as error:
-                if "BUSYGROUP" not in str(error):
-                    raise
-            self._grouped.add(stream)
+                reply = await self._perform(operation, pubsub)
+            except redis.RedisError as error:
+                operation = steps.next(error=error)
+            else:
+                operation = steps.next(reply)
+
+    async def _perform(self, operation: Operation, pubsub):
+        if isinstance(operation, Call):
+            pipe = self.redis.pipeline(transaction=operation.transaction)
+            for command in operation.commands:
+                getattr(pipe, command.name)(*command.args, **command.kwargs)
+            return await pipe.execute(raise_on_error=operation.raise_on_error)
+        if isinstance(operation, Subscribe):
+            return await pubsub.subscribe(operation.channel)
+        try:
+            return await pubsub.get_message(ignore_subscribe_messages=not operation.subscribe_messages,
+                                            timeout=operation.timeout)
+        except redis.ConnectionError:
+            return None  # see producer.core.Listen
 
 
 class AsyncHandle:
@@ -127,40 +112,9 @@ class AsyncHandle:
         return Completion.from_events(self.id, [event async for event in self.stream(timeout)])
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Event]:
-        producer, keys = self.producer, self.producer.keys
-        clock = Deadline(timeout, self.id)
-        sequencer = EventSequencer(self.id)
-        replay, channel, cursor = keys.replay(self.id), keys.tokens(self.id), "-"
-        pubsub = producer._listener.pubsub()
+        pubsub = self.producer._listener.pubsub()
         try:
-            await pubsub.subscribe(channel)
-            while not is_subscribe(await pubsub.get_message(timeout=clock.wait(producer.poll_interval))):
-                pass
-            while True:
-                entries = await producer.redis.xrange(replay, min=cursor if cursor == "-" else f"({cursor}")
-                if cursor == "-" and not entries and not await producer.redis.exists(keys.submitted(self.id)):
-                    raise UnknownRequest(f"no request {self.id!r}: never submitted, or expired")
-                if entries:
-                    cursor = entries[-1][0].decode()
-                replayed = [decode_event_from(fields.get(FIELD), replay) for _, fields in entries]
-                for event in sequencer.push_replayed(replayed):
-                    yield event
-                if sequencer.finished:
-                    return
-                while (message := await _next_message(pubsub, clock.wait(producer.poll_interval))) is not None:
-                    for event in sequencer.push(decode_event_from(message["data"], channel)):
-                        yield event
-                    if sequencer.finished:
-                        return
-                    if sequencer.has_gap:
-                        break
+            async for event in self.producer._drive(Steps(self.producer.core.stream(self.id, timeout)), pubsub):
+                yield event
         finally:
             await pubsub.aclose()
-
-
-async def _next_message(pubsub, wait: float) -> dict | None:
-    """As in producer/client.py: a dropped connection reads as a quiet spell."""
-    try:
-        return await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-    except redis.ConnectionError:
-        return None

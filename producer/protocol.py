@@ -154,15 +154,36 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 
 # --- events ----------------------------------------------------------------------------
+class TopLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """One of the most likely tokens at a position; on the wire [id, logprob, text]."""
+
+    id: int
+    logprob: float
+    text: str = ""
+
+
+class TokenLogprob(msgspec.Struct, omit_defaults=True, frozen=True):
+    """Logprobs of one generated token, from the model's raw distribution (before penalties,
+    temperature and filters, as vLLM returns them): the chosen token's own, and with
+    `logprobs=n > 0` the n most likely tokens, best first. Texts are each token decoded alone
+    by the worker (the producer has no tokenizer), special tokens shown; a token that is part
+    of a multi-byte character decodes to U+FFFD; "" for a model without a tokenizer."""
+
+    logprob: float
+    text: str = ""
+    top: list[TopLogprob] = []
+
+
 class TokenEvent(msgspec.Struct, tag="token", omit_defaults=True):
     """New tokens of a request. `seq` numbers every event of a request from 0; `attempt`
-    counts deliveries (a request resumed on another worker continues the numbering)."""
+    counts deliveries (a request resumed on another worker continues the numbering).
+    `logprobs`, when the request asked for them, has one entry per id, in order."""
 
     seq: int
     attempt: int
     ids: list[int]
     text: str
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class DoneEvent(msgspec.Struct, tag="done"):
@@ -186,12 +207,27 @@ class ErrorEvent(msgspec.Struct, tag="error"):
 Event = TokenEvent | DoneEvent | ErrorEvent
 TERMINAL = (DoneEvent, ErrorEvent)
 
+
+SubmissionState = Literal["enqueuing", "queued", "rejected"]
+
+
+class Submission(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The value of `Keys.submitted(id)`: the lane an id went to and how far it got. The
+    producer writes "enqueuing" (short-lived) and then "queued" with the enqueue; a worker that
+    dead-letters the request without an event (its replay stream is damaged, so no event can
+    be numbered) writes "rejected" with the reason, so that consumers end instead of waiting."""
+
+    lane: Lane
+    state: SubmissionState = "queued"
+    reason: str = ""
+
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _event_decoder = msgspec.msgpack.Decoder(Event)
+_submission_decoder = msgspec.msgpack.Decoder(Submission)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(message: Request | Event) -> bytes:
+def encode(message: Request | Event | Submission) -> bytes:
     return _encoder.encode(message)
 
 
@@ -202,6 +238,10 @@ def decode_request(data: bytes) -> Request:
 
 def decode_event(data: bytes) -> Event:
     return _event_decoder.decode(data)
+
+
+def decode_submission(data: bytes) -> Submission:
+    return _submission_decoder.decode(data)
 
 
 # --- Redis layout ----------------------------------------------------------------------
@@ -236,7 +276,8 @@ class Keys:
         return f"{self.prefix}:{{{request_id}}}:attempt"
 
     def submitted(self, request_id: str) -> str:
-        """Marks an id as taken (idempotent submit)."""
+        """The id's `Submission`: marks it taken (idempotent submit) while the request waits
+        and runs, and after it finished as long as its replay stream lives."""
         return f"{self.prefix}:{{{request_id}}}:submitted"
 
     def worker(self, name: str) -> str:

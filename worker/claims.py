@@ -2,7 +2,12 @@
 
 - claim (every entry, fresh or reclaimed): INCR the request's attempt key, which fences off
   any earlier owner (see outbox.py), THEN read its replay stream, so the earlier owner's
-  last accepted write is in what we read: the tokens already emitted and the next seq.
+  last accepted write is in what we read: the tokens already emitted and the next seq. It
+  also marks the id taken if its submission key is gone (it waited longer than the producer's
+  claim TTL), so that consumers and a second submit find it while it runs.
+- reject: a request whose keys are damaged (its replay stream cannot be resumed from) is
+  dead-lettered without an event, since none could be numbered; its submission key says
+  "rejected" with the reason instead, which ends its consumers' streams.
 - refresh (every heartbeat): XCLAIM our in-flight entries to ourselves with min-idle 0 and
   JUSTID, which resets their idle time without raising the delivery count. An entry whose
   attempt key moved on belongs to another worker now and is reported lost instead.
@@ -20,7 +25,8 @@ from dataclasses import dataclass
 import msgspec
 import redis
 
-from producer.protocol import FIELD, GROUP, LANES, TERMINAL, Event, Keys, TokenEvent, decode_event
+from producer.protocol import (FIELD, GROUP, LANES, TERMINAL, Event, Keys, Lane, Submission, TokenEvent, decode_event,
+                               encode)
 from worker.flight import Flight
 from worker.intake import Entry
 
@@ -32,10 +38,13 @@ class Claim:
     attempt: int
     events: list[Event] | None  # what earlier attempts wrote; None when unreadable
     cancelled: bool
+    damage: str | None = None  # a Redis error on one of the request's keys
 
     @property
     def problem(self) -> str | None:
         """Why the request cannot be resumed from its replay stream, if it cannot."""
+        if self.damage is not None:
+            return f"its keys are damaged: {self.damage}"
         if self.events is None:
             return "replay stream holds an undecodable event"
         if [event.seq for event in self.events] != list(range(len(self.events))):
@@ -58,16 +67,29 @@ class Claims:
         self.attempt_ttl, self.reclaim_idle_ms = attempt_ttl, reclaim_idle_ms
         self.cursors = {keys.requests(lane): "0-0" for lane in LANES}  # fast lane first
 
-    def claim(self, request_ids: list[str]) -> list[Claim]:
+    def claim(self, lanes: dict[str, Lane]) -> list[Claim]:
+        """Claim each request (id -> the lane it came from), in order."""
         pipe = self.client.pipeline(transaction=False)
-        for request_id in request_ids:
+        for request_id, lane in lanes.items():
             pipe.incr(self.keys.attempt(request_id))
             pipe.expire(self.keys.attempt(request_id), self.attempt_ttl)
             pipe.xrange(self.keys.replay(request_id))
             pipe.exists(self.keys.cancelled(request_id))
-        replies = iter(pipe.execute())
-        return [Claim(attempt, _decode_events(replay), bool(cancelled))
-                for attempt, _, replay, cancelled in zip(replies, replies, replies, replies)]  # 4 per request
+            pipe.set(self.keys.submitted(request_id), encode(Submission(lane)), nx=True, ex=self.attempt_ttl)
+        replies = pipe.execute(raise_on_error=False)  # one request's damaged keys must not fail the rest
+        claims = []
+        for at in range(0, len(replies), 5):  # 5 replies per request
+            attempt, _, replay, cancelled, _ = replies[at:at + 5]
+            damage = next((reply for reply in replies[at:at + 5] if isinstance(reply, Exception)), None)
+            if damage is not None:
+                claims.append(Claim(0, None, False, damage=str(damage)))
+            else:
+                claims.append(Claim(attempt, _decode_events(replay), bool(cancelled)))
+        return claims
+
+    def reject(self, request_id: str, lane: Lane, reason: str) -> None:
+        self.client.set(self.keys.submitted(request_id), encode(Submission(lane, "rejected", reason)),
+                        ex=self.attempt_ttl)
 
     def refresh(self, flights: list[Flight]) -> list[Flight]:
         """Keep our entries from looking idle; -> the flights another worker has claimed."""

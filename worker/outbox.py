@@ -5,6 +5,9 @@ TTL) and publish on its channel, only while its attempt key still holds this wor
 attempt. A worker that stalled past the reclaim threshold, and so lost a request to
 another, cannot write one event more: the script answers 0 and the worker drops the
 request without acking it. Numbering (`seq`) is per request and continues across attempts.
+The same script keeps the request's submission key (`Keys.submitted`) alive at least as long
+as its replay stream, and with the terminal event gives both the same TTL: consumers find the
+id as long as its events, and once both expire they are told it expired (producer/core.py).
 """
 
 from __future__ import annotations
@@ -18,16 +21,22 @@ from worker.engine.outputs import RequestOutput
 from worker.flight import Flight
 
 FENCED_WRITE = """
--- KEYS: attempt key, replay stream. ARGV: attempt, channel, field, maxlen, ttl, event...
+-- KEYS: attempt key, replay stream, submission key.
+-- ARGV: attempt, channel, field, maxlen, ttl, terminal (1/0), event...
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
-for i = 6, #ARGV do
+for i = 7, #ARGV do
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], ARGV[i])
   redis.call('PUBLISH', ARGV[2], ARGV[i])
 end
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
+if ARGV[6] == '1' then
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+else
+  redis.call('EXPIRE', KEYS[3], ARGV[5], 'GT')
+end
 return 1
 """
 
@@ -77,7 +86,7 @@ class Outbox:
         pipe = self.client.pipeline(transaction=True)
         for flight in batch:
             request_id = flight.request_id
-            pipe.evalsha(self.sha, 2, self.keys.attempt(request_id), self.keys.replay(request_id),
-                         flight.attempt, self.keys.tokens(request_id), FIELD, self.replay_maxlen,
-                         self.replay_ttl, *flight.pending)
+            pipe.evalsha(self.sha, 3, self.keys.attempt(request_id), self.keys.replay(request_id),
+                         self.keys.submitted(request_id), flight.attempt, self.keys.tokens(request_id), FIELD,
+                         self.replay_maxlen, self.replay_ttl, int(flight.finished), *flight.pending)
         return pipe.execute()

@@ -148,8 +148,10 @@ class Worker:
                 accepted[request_id] = (entry, request)
         if dead:
             self.reject(dead)
-        for (request_id, (entry, request)), claim in zip(accepted.items(), self.claims.claim(list(accepted))):
+        lanes = {request_id: self.lanes[entry.stream] for request_id, (entry, _) in accepted.items()}
+        for (request_id, (entry, request)), claim in zip(accepted.items(), self.claims.claim(lanes)):
             if claim.problem:
+                self.claims.reject(request_id, lanes[request_id], claim.problem)  # ends its consumers' streams
                 self.reject([(entry, claim.problem, request_id)])
             elif claim.terminal:  # finished on an earlier attempt, whose ack was lost
                 self.intake.ack([entry])

@@ -68,6 +68,19 @@ def make_worker(redis_url, model):
         worker.close()
 
 
+def paced(worker: Worker, step_s: float = 0.01) -> Worker:
+    """Every engine step of `worker` takes at least `step_s`: a test that needs a request still
+    running a while later must not depend on how fast this machine runs the tiny model."""
+    step = worker.engine.step
+
+    def paced_step():
+        time.sleep(step_s)
+        return step()
+
+    worker.engine.step = paced_step
+    return worker
+
+
 def offline(model, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     """Greedy tokens of the engine run directly, without Redis."""
     engine = Engine(EngineConfig.from_options(MODEL, num_blocks=NUM_BLOCKS), model=model)

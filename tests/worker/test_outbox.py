@@ -5,7 +5,7 @@ import pytest
 import redis
 import structlog
 
-from producer.protocol import DoneEvent, Timings, TokenEvent, Usage, decode_event
+from producer.protocol import DoneEvent, Timings, TokenEvent, TokenLogprob, TopLogprob, Usage, decode_event
 from worker.engine.outputs import RequestOutput
 from worker.flight import Flight
 from worker.intake import Entry
@@ -31,13 +31,14 @@ def token(request_id: str, token_id: int) -> RequestOutput:
 
 def test_outputs_become_events_numbered_from_where_the_request_stands(outbox, any_client):
     flight = owned(any_client, "a", attempt=2, next_seq=5)  # resumed: the numbering continues
-    outbox.add_output(flight, RequestOutput("a", [7], text="x", logprobs=[-0.5]))
+    logprobs = [TokenLogprob(-0.5, "x", [TopLogprob(7, -0.5, "x"), TopLogprob(3, -1.25, "y")])]
+    outbox.add_output(flight, RequestOutput("a", [7], text="x", logprobs=logprobs))
     outbox.add_output(flight, RequestOutput("a", [8], finish_reason="length", usage=Usage(3, 2),
                                             timings=Timings(queued=0.1, ttft=0.2, total=0.3)))
     assert replay(any_client, "a") == [] and flight.finished
     assert outbox.flush([flight]) == [(flight, True)]
     assert replay(any_client, "a") == [
-        TokenEvent(seq=5, attempt=2, ids=[7], text="x", logprobs=[-0.5]),
+        TokenEvent(seq=5, attempt=2, ids=[7], text="x", logprobs=logprobs),
         TokenEvent(seq=6, attempt=2, ids=[8], text=""),
         DoneEvent(seq=7, attempt=2, finish_reason="length", usage=Usage(3, 2),
                   timings=Timings(queued=0.1, ttft=0.2, total=0.3)),
@@ -90,3 +91,22 @@ def test_a_lost_script_cache_is_reloaded(outbox, any_client):
     outbox.add_output(flight, token("a", 1))
     assert outbox.flush([flight]) == [(flight, True)]
     assert len(replay(any_client, "a")) == 1
+
+
+def test_the_submission_key_lives_as_long_as_the_events_and_expires_with_them(outbox, any_client):
+    """While a request runs, a write only ever extends its submission key's TTL (a producer's
+    claim TTL may be longer than the replay's); the terminal write gives both the replay TTL."""
+    flight = owned(any_client, "a")
+    any_client.set(KEYS.submitted("a"), b"queued", ex=3600)
+    outbox.add_output(flight, token("a", 1))
+    outbox.flush([flight])
+    assert any_client.ttl(KEYS.submitted("a")) > 60  # not shortened mid-run
+    any_client.expire(KEYS.submitted("a"), 5)
+    outbox.add_output(flight, token("a", 2))
+    outbox.flush([flight])
+    assert 55 <= any_client.ttl(KEYS.submitted("a")) <= 60  # extended to the replay's
+    any_client.expire(KEYS.submitted("a"), 3600)
+    outbox.add_output(flight, RequestOutput("a", [3], finish_reason="length", usage=Usage(1, 3),
+                                            timings=Timings(0.1, 0.2, 0.3)))
+    outbox.flush([flight])
+    assert 55 <= any_client.ttl(KEYS.submitted("a")) <= 60 and 55 <= any_client.ttl(KEYS.replay("a")) <= 60

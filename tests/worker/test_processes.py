@@ -75,7 +75,7 @@ def test_kill_9_mid_generation_the_other_worker_finishes_every_request_exactly_o
     listener = client.pubsub()
     listener.psubscribe(KEYS.tokens("*"))
     listener.get_message(timeout=1)
-    ids, prompts, params = [f"k{i}" for i in range(8)], prompts_of(8, seed=2), greedy(300)
+    ids, prompts, params = [f"k{i}" for i in range(8)], prompts_of(8, seed=2), greedy(900)  # long enough to be killed mid-way on a fast machine
     for request_id, prompt in zip(ids, prompts):
         submit(client, Request(id=request_id, prompt_ids=prompt, params=params))
 
@@ -120,7 +120,7 @@ def test_sigterm_hands_the_unfinished_back_at_once_and_exits_0(spawn, client, mo
     wait_for(lambda: is_ready(client, "a"), message="worker did not start")
     prompts = prompts_of(2, seed=3)
     for i, prompt in enumerate(prompts):
-        submit(client, Request(id=f"t{i}", prompt_ids=prompt, params=greedy(300)))
+        submit(client, Request(id=f"t{i}", prompt_ids=prompt, params=greedy(900)))
     wait_for(lambda: all(len(replay(client, f"t{i}")) >= 2 for i in range(2)))
 
     worker.send_signal(signal.SIGTERM)
@@ -132,7 +132,7 @@ def test_sigterm_hands_the_unfinished_back_at_once_and_exits_0(spawn, client, mo
 
     successor = make_worker("b")  # its reclaim threshold is 60 s: only a hand-back is taken at once
     run_until([successor], lambda: backlog(client) == 0, timeout=20)
-    for i, tokens in enumerate(offline(model, prompts, [greedy(300)] * 2)):
+    for i, tokens in enumerate(offline(model, prompts, [greedy(900)] * 2)):
         events = replay(client, f"t{i}")
         assert_numbered(events)
         assert tokens_of(events) == tokens and events[-1].attempt == 2

@@ -5,8 +5,10 @@ import threading
 import time
 
 import msgspec
+import pytest
 import redis
 
+from producer import EventsLost, Producer
 from producer.protocol import FIELD, GROUP, LANES, DoneEvent, ErrorEvent, Request, decode_event, encode
 
 from .conftest import (
@@ -16,6 +18,7 @@ from .conftest import (
     greedy,
     is_finished,
     offline,
+    paced,
     prompts_of,
     replay,
     run_until,
@@ -104,7 +107,7 @@ def test_cancel_before_the_worker_reads_it_and_without_a_nudge(make_worker, clie
 
 
 def test_deadline_expires_only_requests_not_started_by_then(make_worker, client, model):
-    worker = make_worker(engine_options={"max_num_seqs": 1})  # one at a time: the others wait
+    worker = paced(make_worker(engine_options={"max_num_seqs": 1}))  # one at a time: the others wait
     submit(client, Request(id="late", prompt_ids=[5, 6], params=greedy(5), deadline=time.time() - 1))
     submit(client, Request(id="running", prompt_ids=[5, 6, 7], params=greedy(100)))
     run_until([worker], lambda: len(replay(client, "running")) >= 1)
@@ -228,7 +231,7 @@ def test_a_reclaimed_request_that_had_finished_is_only_acked(make_worker, client
 
 
 def test_drain_finishes_what_it_can_and_hands_the_rest_back(make_worker, client, model):
-    draining = make_worker("w1", drain_timeout=0.3)
+    draining = paced(make_worker("w1", drain_timeout=0.3))
     submit(client, Request(id="short", prompt_ids=[5, 6, 7], params=greedy(5)))
     submit(client, Request(id="long", prompt_ids=[5, 6, 8], params=greedy(300)))
     draining.poll()
@@ -280,7 +283,7 @@ def test_after_a_redis_error_the_worker_drops_what_it_held_and_resumes_it_by_rec
 
 
 def test_a_live_worker_keeps_its_entries_from_being_reclaimed(make_worker, client):
-    busy = make_worker("w1", reclaim_idle_ms=600)
+    busy = paced(make_worker("w1", reclaim_idle_ms=600))
     idle = make_worker("w2", reclaim_idle_ms=600)
     submit(client, Request(id="long", prompt_ids=[5, 6, 7], params=greedy(1000)))
     started = time.monotonic()
@@ -332,3 +335,30 @@ def test_a_turn_that_fails_costs_the_held_requests_not_the_worker(make_worker, c
     monkeypatch.undo()
     submit(client, Request(id="next", prompt_ids=[8, 9], params=greedy(3)))
     run_until([worker], lambda: is_finished(client, "next"))
+
+
+def test_a_request_whose_keys_are_damaged_is_dead_lettered_its_consumers_told_and_the_rest_served(
+        make_worker, client, redis_url):
+    """The replay stream a request would resume from: trimmed, undecodable, or not a stream
+    at all. None can take the worker down; each consumer ends with the reason."""
+    damage = {
+        "trimmed": lambda: client.xadd(KEYS.replay("trimmed"), {FIELD: encode(ErrorEvent(1, 1, "internal", "x"))}),
+        "undecodable": lambda: client.xadd(KEYS.replay("undecodable"), {FIELD: b"\xc1 garbage"}),
+        "not-a-stream": lambda: client.set(KEYS.replay("not-a-stream"), b"oops"),
+    }
+    producer = Producer(redis_url, poll_interval=0.1)
+    for request_id, spoil in damage.items():
+        producer.submit(prompt_ids=[5, 6], params=greedy(3), request_id=request_id)
+        spoil()
+    producer.submit(prompt_ids=[5, 6, 7], params=greedy(3), request_id="good")
+    worker = make_worker()
+    run_until([worker], lambda: backlog(client) == 0)
+
+    reasons = {fields[b"id"].decode(): fields[b"reason"].decode() for _, fields in client.xrange(KEYS.dead_letters)}
+    assert reasons == {"trimmed": "replay stream is missing events (trimmed or expired)",
+                       "undecodable": "replay stream holds an undecodable event",
+                       "not-a-stream": reasons["not-a-stream"]} and "WRONGTYPE" in reasons["not-a-stream"]
+    for request_id, reason in reasons.items():
+        with pytest.raises(EventsLost, match=f"request {request_id} was dead-lettered: "):
+            producer.result(request_id, timeout=5)
+    assert producer.result("good", timeout=5).finish_reason == "length"

@@ -1,0 +1,279 @@
+"""What the producer does, once, for both clients: submit, cancel, stats and stream as
+sans-IO flows. A flow is a generator that yields what it needs done (`Call`: one pipelined
+round trip of Redis commands; `Subscribe` / `Listen`: pub/sub; `Deliver`: events for the
+consumer) and is sent the reply; Redis errors are thrown into it. producer/client.py runs the
+flows on redis-py, producer/async_client.py on redis.asyncio: only the awaits differ.
+
+How a stream misses nothing: SUBSCRIBE to the request's channel and wait for the server's
+confirmation, and only then read the replay stream from the start: every event published
+after the confirmation reaches us live, every one before it is in the replay stream (the
+worker writes both in one script). Then follow the channel, letting EventSequencer drop
+what was seen and hold back what came early; on a gap, and whenever the channel is quiet for
+`poll_interval` (a publish lost in a reconnect), read the replay stream again from the last
+entry read.
+
+How a stream always ends: each replay read also reads the request's submission key
+(`Keys.submitted`, see `Submission`), and `SubmissionWatch` turns what the two say into an end:
+a terminal event; or, promptly, UnknownRequest (never submitted, never enqueued, expired) or
+EventsLost (its events are gone, or a worker dead-lettered it because they were damaged).
+The submission key lives while the request waits and, once a worker has finished it,
+exactly as long as its replay stream (the worker sets both TTLs in one script).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from producer.errors import EventsLost, ProtocolViolation, QueueFull, UnknownRequest
+from producer.protocol import (FIELD, GROUP, LANES, Event, Keys, Request, Submission, decode_event,
+                               decode_submission, encode)
+from producer.sequencer import EventSequencer
+from producer.stats import LaneStats, QueueStats, parse_heartbeat
+from producer.submission import choose_lane
+
+# How long an id stays taken by a submit that has not enqueued yet: a producer that dies
+# between taking the id and enqueueing frees it (and ends its consumers' streams) this soon.
+ENQUEUE_TTL_S = 10
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str  # a redis-py client method
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def command(name: str, *args, **kwargs) -> Command:
+    return Command(name, args, kwargs)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One round trip: the commands as one pipeline; the reply is their results in order,
+    errors in place (as exceptions) when `raise_on_error` is False."""
+
+    commands: tuple[Command, ...]
+    transaction: bool = False
+    raise_on_error: bool = True
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    channel: str
+
+
+@dataclass(frozen=True)
+class Listen:
+    """The next pub/sub message within `timeout` s, or None (also after a dropped connection:
+    redis-py resubscribes, and the replay read that None leads to recovers the gap)."""
+
+    timeout: float
+    subscribe_messages: bool = False  # True only while waiting for the subscription's confirmation
+
+
+@dataclass(frozen=True)
+class Deliver:
+    events: list[Event]
+
+
+Operation = Call | Subscribe | Listen | Deliver
+Flow = Generator[Operation, Any, Any]
+
+
+class Steps:
+    """A flow as a client runs it: `next(reply)` or `next(error=...)` after performing an
+    operation (and plain `next()` after a Deliver) gives the next one; None once the flow
+    has ended, its return value then in `value`."""
+
+    def __init__(self, flow: Flow) -> None:
+        self.flow, self.value = flow, None
+
+    def next(self, reply: Any = None, error: Exception | None = None) -> Operation | None:
+        try:
+            return self.flow.send(reply) if error is None else self.flow.throw(error)
+        except StopIteration as end:
+            self.value = end.value
+            return None
+
+
+class ProducerCore:
+    def __init__(self, keys: Keys, max_backlog: int, claim_ttl: int, poll_interval: float) -> None:
+        self.keys, self.max_backlog = keys, max_backlog
+        self.claim_ttl, self.poll_interval = claim_ttl, poll_interval
+        self._grouped: set[str] = set()
+
+    def submit(self, request: Request) -> Flow:
+        """-> (lane, duplicate). Takes the id (SET NX, short-lived), checks the backlog, then
+        enqueues and marks the id queued in one MULTI. Refused with QueueFull, it frees the id;
+        after a Redis error it cannot know whether the MULTI ran, so it leaves the short-lived
+        claim to expire rather than free an id that may be enqueued."""
+        lane = choose_lane(request)
+        stream = self.keys.requests(lane)
+        yield from self._ensure_group(stream)
+        claim = self.keys.submitted(request.id)
+        earlier, backlog = yield Call((
+            command("set", claim, encode(Submission(lane, "enqueuing")), nx=True, get=True, ex=ENQUEUE_TTL_S),
+            command("xlen", stream)))
+        if earlier is not None:
+            return _submission(earlier, claim).lane, True
+        if backlog >= self.max_backlog:
+            yield Call((command("delete", claim),))
+            raise QueueFull(lane, backlog, self.max_backlog)
+        yield Call((command("xadd", stream, {FIELD: encode(request)}),
+                    command("set", claim, encode(Submission(lane)), xx=True, ex=self.claim_ttl)),
+                   transaction=True)
+        return lane, False
+
+    def cancel(self, request_id: str) -> Flow:
+        """A durable flag (checked by the worker every step) plus a nudge on the channel."""
+        yield Call((command("set", self.keys.cancelled(request_id), b"1", ex=self.claim_ttl),
+                    command("publish", self.keys.cancel_channel, request_id)), transaction=True)
+
+    def stats(self) -> Flow:
+        lanes = {}
+        for lane in LANES:
+            stream = self.keys.requests(lane)
+            backlog, pending = yield Call((command("xlen", stream), command("xpending", stream, GROUP)),
+                                          raise_on_error=False)
+            lanes[lane] = LaneStats(backlog=_reply(backlog),
+                                    pending=0 if isinstance(pending, Exception) else pending["pending"])
+        # SCAN, not KEYS: never block the server for the sake of a dashboard.
+        names, cursor = [], 0
+        while True:
+            [(cursor, batch)] = yield Call((command("scan", cursor, match=self.keys.workers_pattern, count=100),))
+            names += batch
+            if cursor == 0:
+                break
+        names = sorted(set(names))
+        kinds = (yield Call(tuple(command("type", name) for name in names))) if names else []
+        heartbeats = [(name, kind) for name, kind in zip(names, kinds) if kind in (b"hash", b"string")]
+        values = (yield Call(tuple(command("hgetall" if kind == b"hash" else "get", name)
+                                   for name, kind in heartbeats))) if heartbeats else []
+        workers = [parse_heartbeat(name.decode(), value) for (name, _), value in zip(heartbeats, values)
+                   if value]  # an empty value: the heartbeat expired between the two reads
+        [dead_letters] = yield Call((command("xlen", self.keys.dead_letters),))
+        return QueueStats(lanes, workers, dead_letters=dead_letters)
+
+    def stream(self, request_id: str, timeout: float | None) -> Flow:
+        """Every event of the request in seq order, each once, ending with the terminal one.
+        Raises TimeoutError if it has not ended within `timeout` s, UnknownRequest or
+        EventsLost as `SubmissionWatch` says."""
+        clock = Deadline(timeout, request_id)
+        sequencer = EventSequencer(request_id)
+        keys = self.keys
+        replay, channel, claim, cursor = keys.replay(request_id), keys.tokens(request_id), keys.submitted(request_id), "-"
+        yield Subscribe(channel)
+        while not _is_subscribe((yield Listen(clock.wait(self.poll_interval), subscribe_messages=True))):
+            pass
+        watch = SubmissionWatch(request_id)
+        while True:
+            entries, replay_exists, submission = yield Call((
+                command("xrange", replay, min=cursor if cursor == "-" else f"({cursor}"),
+                command("exists", replay), command("get", claim)), raise_on_error=False)
+            # First: a request dead-lettered for its damaged replay stream ends here, whatever it holds.
+            watch.check(_readable(submission, claim), bool(replay_exists), events_seen=cursor != "-")
+            if _readable(entries, replay):
+                cursor = entries[-1][0].decode()
+                ready = sequencer.push_replayed([_decoded(fields.get(FIELD), replay) for _, fields in entries])
+                if ready:
+                    yield Deliver(ready)
+                if sequencer.finished:
+                    return
+            # Follow the channel until a gap or a quiet spell sends us back to the replay.
+            while (message := (yield Listen(clock.wait(self.poll_interval)))) is not None:
+                ready = sequencer.push(_decoded(message["data"], channel))
+                if ready:
+                    yield Deliver(ready)
+                if sequencer.finished:
+                    return
+                if sequencer.has_gap:
+                    break
+
+    def _ensure_group(self, stream: str) -> Flow:
+        """Create the workers' group (either side may be first) so that requests enqueued
+        before any worker started are delivered too (group created at id 0)."""
+        if stream not in self._grouped:
+            [created] = yield Call((command("xgroup_create", stream, GROUP, id="0", mkstream=True),),
+                                   raise_on_error=False)
+            if isinstance(created, Exception) and "BUSYGROUP" not in str(created):
+                raise created
+            self._grouped.add(stream)
+
+
+class SubmissionWatch:
+    """Whether a stream that has not ended yet can still end with events; raises if not.
+    Fed, at each replay read, the submission key's value and whether the replay stream
+    exists; remembers having seen the id still being enqueued."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.seen_enqueuing = False
+
+    def check(self, submission: bytes | None, replay_exists: bool, events_seen: bool) -> None:
+        state = _submission(submission, self.request_id) if submission is not None else None
+        if state is not None and state.state == "rejected":
+            raise EventsLost(f"request {self.request_id} was dead-lettered: {state.reason}")
+        if state is not None:
+            self.seen_enqueuing = self.seen_enqueuing or state.state == "enqueuing"
+            return  # waiting, enqueuing, or running: events will come
+        if replay_exists:
+            return  # running (or finished), and its submission key outlived by a long run
+        if events_seen:
+            raise EventsLost(f"the events of request {self.request_id} expired before it finished")
+        if self.seen_enqueuing:
+            raise UnknownRequest(f"request {self.request_id!r} was never enqueued: "
+                                 "its producer stopped between taking the id and enqueueing it")
+        raise UnknownRequest(f"no request {self.request_id!r}: never submitted, or expired")
+
+
+class Deadline:
+    """The time a stream may take, handed out as waits of at most one poll interval."""
+
+    def __init__(self, timeout: float | None, request_id: str) -> None:
+        self.timeout, self.request_id = timeout, request_id
+        self.end = None if timeout is None else time.monotonic() + timeout
+
+    def wait(self, interval: float) -> float:
+        """How long the next wait may be; raises TimeoutError once the time is up."""
+        if self.end is None:
+            return interval
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request {self.request_id} did not finish within {self.timeout} s")
+        return min(interval, left)
+
+
+def _reply(value):
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+def _readable(value, key: str):
+    """A reply read with raise_on_error=False; an error there means the key holds something else."""
+    if isinstance(value, Exception):
+        raise ProtocolViolation(f"{key} is unreadable: {value}")
+    return value
+
+
+def _is_subscribe(message: dict | None) -> bool:
+    return message is not None and message["type"] == "subscribe"
+
+
+def _submission(data: bytes, where: str) -> Submission:
+    try:
+        return decode_submission(data)
+    except msgspec.DecodeError as error:
+        raise ProtocolViolation(f"undecodable submission of {where}: {error}") from None
+
+
+def _decoded(data: bytes | None, where: str) -> Event:
+    try:
+        return decode_event(data)
+    except (msgspec.DecodeError, TypeError) as error:
+        raise ProtocolViolation(f"undecodable event on {where}: {error}") from None
