@@ -4,6 +4,7 @@ The same flows as Producer (producer/core.py) run here: only the awaits differ."
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import redis
@@ -11,8 +12,9 @@ import redis.asyncio
 
 from producer.client import DEFAULT_URL
 from producer.completion import Completion
-from producer.core import Call, Deliver, Flow, Operation, ProducerCore, Steps, Subscribe
-from producer.protocol import Event, Keys, Lane, Message, Request, SamplingParams
+from producer.core import Call, Deliver, Flow, Operation, Pause, ProducerCore, Steps, Subscribe
+from producer.errors import Disconnected
+from producer.protocol import Event, Keys, Lane, Message, Request, SamplingParams, connection_options
 from producer.stats import QueueStats
 from producer.submission import build_request, checked_id
 
@@ -23,12 +25,10 @@ class AsyncProducer:
         """See Producer."""
         self.core = ProducerCore(Keys(prefix), max_backlog, int(claim_ttl), poll_interval)
         self.keys = self.core.keys
-        self.redis = redis.asyncio.Redis.from_url(url)
-        self._listener = redis.asyncio.Redis.from_url(url, socket_timeout=None)  # see Producer
+        self.redis = redis.asyncio.Redis.from_url(url, **connection_options())
 
     async def aclose(self) -> None:
         await self.redis.aclose()
-        await self._listener.aclose()
 
     async def __aenter__(self) -> AsyncProducer:
         return self
@@ -74,6 +74,8 @@ class AsyncProducer:
                 continue
             try:
                 reply = await self._perform(operation, pubsub)
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                operation = steps.next(error=Disconnected(f"redis: {error}"))
             except redis.RedisError as error:
                 operation = steps.next(error=error)
             else:
@@ -87,6 +89,8 @@ class AsyncProducer:
             return await pipe.execute(raise_on_error=operation.raise_on_error)
         if isinstance(operation, Subscribe):
             return await pubsub.subscribe(operation.channel)
+        if isinstance(operation, Pause):
+            return await asyncio.sleep(operation.seconds)
         try:
             return await pubsub.get_message(ignore_subscribe_messages=not operation.subscribe_messages,
                                             timeout=operation.timeout)
@@ -112,7 +116,7 @@ class AsyncHandle:
         return Completion.from_events(self.id, [event async for event in self.stream(timeout)])
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Event]:
-        pubsub = self.producer._listener.pubsub()
+        pubsub = self.producer.redis.pubsub()
         try:
             async for event in self.producer._drive(Steps(self.producer.core.stream(self.id, timeout)), pubsub):
                 yield event

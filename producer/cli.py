@@ -17,14 +17,13 @@ import sys
 import time
 
 import msgspec
-import redis
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from producer.client import DEFAULT_URL, Producer
 from producer.completion import Completion
-from producer.errors import ProducerError
+from producer.errors import Disconnected, ProducerError
 from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob
 
 
@@ -34,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Producer(args.redis_url, prefix=args.prefix) as producer:
             return args.run(producer, args, errors)
+    except Disconnected as error:
+        errors.print(f"[red]error:[/] cannot reach Redis at {args.redis_url}: {escape(str(error))}")
     except (ProducerError, TimeoutError) as error:
         errors.print(f"[red]error:[/] {escape(str(error))}")
-    except redis.ConnectionError as error:
-        errors.print(f"[red]error:[/] cannot reach Redis at {args.redis_url}: {escape(str(error))}")
     except KeyboardInterrupt:
         return 130
     return 1

@@ -6,13 +6,15 @@ live in producer/core.py, shared with AsyncProducer; this is their shell on redi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import redis
 
 from producer.completion import Completion
-from producer.core import Call, Deliver, Flow, Operation, ProducerCore, Steps, Subscribe
-from producer.protocol import Event, Keys, Lane, Message, Request, SamplingParams
+from producer.core import Call, Deliver, Flow, Operation, Pause, ProducerCore, Steps, Subscribe
+from producer.errors import Disconnected
+from producer.protocol import Event, Keys, Lane, Message, Request, SamplingParams, connection_options
 from producer.stats import QueueStats
 from producer.submission import build_request, checked_id
 
@@ -30,14 +32,10 @@ class Producer:
         re-reads the replay stream."""
         self.core = ProducerCore(Keys(prefix), max_backlog, int(claim_ttl), poll_interval)
         self.keys = self.core.keys
-        self.redis = redis.Redis.from_url(url)
-        # A subscriber waits on its socket for as long as a stream lasts: no socket
-        # timeout there (redis-py 8 defaults to 5 s and raises).
-        self._listener = redis.Redis.from_url(url, socket_timeout=None)
+        self.redis = redis.Redis.from_url(url, **connection_options())
 
     def close(self) -> None:
         self.redis.close()
-        self._listener.close()
 
     def __enter__(self) -> Producer:
         return self
@@ -85,6 +83,8 @@ class Producer:
                 continue
             try:
                 reply = self._perform(operation, pubsub)
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                operation = steps.next(error=Disconnected(f"redis: {error}"))
             except redis.RedisError as error:
                 operation = steps.next(error=error)
             else:
@@ -98,6 +98,8 @@ class Producer:
             return pipe.execute(raise_on_error=operation.raise_on_error)
         if isinstance(operation, Subscribe):
             return pubsub.subscribe(operation.channel)
+        if isinstance(operation, Pause):
+            return time.sleep(operation.seconds)
         try:
             return pubsub.get_message(ignore_subscribe_messages=not operation.subscribe_messages,
                                       timeout=operation.timeout)
@@ -128,7 +130,7 @@ class Handle:
     def stream(self, timeout: float | None = None) -> Iterator[Event]:
         """Every event of the request in seq order, each once, ending with the terminal one
         (see ProducerCore.stream for what it raises)."""
-        pubsub = self.producer._listener.pubsub()
+        pubsub = self.producer.redis.pubsub()
         try:
             yield from self.producer._drive(Steps(self.producer.core.stream(self.id, timeout)), pubsub)
         finally:

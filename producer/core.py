@@ -1,8 +1,14 @@
 """What the producer does, once, for both clients: submit, cancel, stats and stream as
 sans-IO flows. A flow is a generator that yields what it needs done (`Call`: one pipelined
-round trip of Redis commands; `Subscribe` / `Listen`: pub/sub; `Deliver`: events for the
-consumer) and is sent the reply; Redis errors are thrown into it. producer/client.py runs the
-flows on redis-py, producer/async_client.py on redis.asyncio: only the awaits differ.
+round trip of Redis commands; `Subscribe` / `Listen`: pub/sub; `Pause`; `Deliver`: events for
+the consumer) and is sent the reply; Redis errors are thrown into it, a lost connection as
+`Disconnected`. producer/client.py runs the flows on redis-py, producer/async_client.py on
+redis.asyncio: only the awaits differ.
+
+A stream rides out a lost connection (a Redis restart): it retries, backing off, until its
+timeout, or for RECONNECT_PATIENCE_S without one, then raises Disconnected. Submit, cancel and
+stats raise Disconnected at once: a submit that failed so may or may not have enqueued, and
+submitting the same request id again is the safe retry.
 
 How a stream misses nothing: SUBSCRIBE to the request's channel and wait for the server's
 confirmation, and only then read the replay stream from the start: every event published
@@ -29,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from producer.errors import EventsLost, ProtocolViolation, QueueFull, UnknownRequest
+from producer.errors import Disconnected, EventsLost, ProtocolViolation, QueueFull, UnknownRequest
 from producer.protocol import (FIELD, GROUP, LANES, Event, Keys, Request, Submission, decode_event,
                                decode_submission, encode)
 from producer.sequencer import EventSequencer
@@ -39,6 +45,8 @@ from producer.submission import choose_lane
 # How long an id stays taken by a submit that has not enqueued yet: a producer that dies
 # between taking the id and enqueueing frees it (and ends its consumers' streams) this soon.
 ENQUEUE_TTL_S = 10
+RECONNECT_PATIENCE_S = 60.0
+RETRY_S, MAX_RETRY_S = 0.1, 2.0  # a stream's wait before it tries a lost connection again, doubling
 
 
 @dataclass(frozen=True)
@@ -77,11 +85,16 @@ class Listen:
 
 
 @dataclass(frozen=True)
+class Pause:
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Deliver:
     events: list[Event]
 
 
-Operation = Call | Subscribe | Listen | Deliver
+Operation = Call | Subscribe | Listen | Pause | Deliver
 Flow = Generator[Operation, Any, Any]
 
 
@@ -167,14 +180,14 @@ class ProducerCore:
         sequencer = EventSequencer(request_id)
         keys = self.keys
         replay, channel, claim, cursor = keys.replay(request_id), keys.tokens(request_id), keys.submitted(request_id), "-"
-        yield Subscribe(channel)
+        yield from _patiently(Subscribe(channel), clock)
         while not _is_subscribe((yield Listen(clock.wait(self.poll_interval), subscribe_messages=True))):
             pass
         watch = SubmissionWatch(request_id)
         while True:
-            entries, replay_exists, submission = yield Call((
+            entries, replay_exists, submission = yield from _patiently(Call((
                 command("xrange", replay, min=cursor if cursor == "-" else f"({cursor}"),
-                command("exists", replay), command("get", claim)), raise_on_error=False)
+                command("exists", replay), command("get", claim)), raise_on_error=False), clock)
             # First: a request dead-lettered for its damaged replay stream ends here, whatever it holds.
             watch.check(_readable(submission, claim), bool(replay_exists), events_seen=cursor != "-")
             if _readable(entries, replay):
@@ -246,6 +259,21 @@ class Deadline:
         if left <= 0:
             raise TimeoutError(f"request {self.request_id} did not finish within {self.timeout} s")
         return min(interval, left)
+
+
+def _patiently(operation: Call | Subscribe, clock: Deadline) -> Flow:
+    """The operation's reply, trying again while the connection is lost (see the module docstring)."""
+    delay, gave_up_at = RETRY_S, None
+    while True:
+        try:
+            return (yield operation)
+        except Disconnected:
+            if clock.end is None:
+                gave_up_at = gave_up_at or time.monotonic() + RECONNECT_PATIENCE_S
+                if time.monotonic() >= gave_up_at:
+                    raise
+            yield Pause(clock.wait(delay))
+            delay = min(MAX_RETRY_S, delay * 2)
 
 
 def _reply(value):

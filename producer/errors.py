@@ -30,5 +30,9 @@ class EventsLost(ProducerError):
     stream cannot be delivered complete and in order."""
 
 
+class Disconnected(ProducerError, ConnectionError):
+    """Redis could not be reached (a stream gives up after trying for a while)."""
+
+
 class ProtocolViolation(ProducerError):
     """Something on Redis does not decode as the wire contract says."""

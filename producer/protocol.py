@@ -8,6 +8,7 @@ on decoding alike, so a bad value is refused with a clear message wherever it en
 from __future__ import annotations
 
 import re
+import socket
 import time
 import uuid
 from typing import Literal
@@ -242,6 +243,27 @@ def decode_event(data: bytes) -> Event:
 
 def decode_submission(data: bytes) -> Submission:
     return _submission_decoder.decode(data)
+
+
+# --- connections -----------------------------------------------------------------------
+REPLY_TIMEOUT_S = 10.0  # a reply (other than a blocking read's) slower than this: the connection is dead
+CONNECT_TIMEOUT_S = 5.0
+HEALTH_CHECK_S = 15  # a connection idle this long is PINGed before use (pub/sub ones too)
+_KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}  # a silent peer is dropped in ~25 s
+
+
+def connection_options(blocking_ms: int = 0) -> dict:
+    """What every Redis connection of either side is opened with (redis-py's from_url keyword
+    arguments), so that none waits for ever on a half-open TCP connection: explicit reply and
+    connect timeouts (a connection for BLOCK reads of up to `blocking_ms` waits that much longer),
+    TCP keepalive, health checks. No automatic retry: redis-py would resend a command whose reply
+    was lost, and a resent XADD, INCR or fenced write happens twice. Each caller retries at the
+    level where it knows what a repeat means (a worker resumes from the replay stream, a stream
+    re-reads it)."""
+    keepalive = {getattr(socket, name): value for name, value in _KEEPALIVE.items() if hasattr(socket, name)}
+    return {"socket_timeout": REPLY_TIMEOUT_S + blocking_ms / 1000, "socket_connect_timeout": CONNECT_TIMEOUT_S,
+            "socket_keepalive": True, "socket_keepalive_options": keepalive,
+            "health_check_interval": HEALTH_CHECK_S, "retry": None}
 
 
 # --- Redis layout ----------------------------------------------------------------------

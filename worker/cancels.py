@@ -14,10 +14,9 @@ from producer.protocol import Keys
 
 
 class Cancels:
-    def __init__(self, client: redis.Redis, unbounded: redis.Redis, keys: Keys) -> None:
-        """`unbounded`: a client without a socket timeout, for the pub/sub connection."""
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client, self.keys = client, keys
-        self.subscription = unbounded.pubsub(ignore_subscribe_messages=True)
+        self.subscription = client.pubsub(ignore_subscribe_messages=True)  # polled, never a blocking read
         self.subscription.subscribe(keys.cancel_channel)
 
     def nudged(self) -> set[str]:

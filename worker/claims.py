@@ -11,14 +11,21 @@
 - refresh (every heartbeat): XCLAIM our in-flight entries to ourselves with min-idle 0 and
   JUSTID, which resets their idle time without raising the delivery count. An entry whose
   attempt key moved on belongs to another worker now and is reported lost instead.
+- take back: entries the group counts as ours that we no longer hold (we dropped them when a
+  turn failed, a Redis blip say) are owned again at once, with XPENDING + XCLAIM ... JUSTID,
+  which leaves their delivery counts alone: a blip costs a recompute, never a delivery.
 - reclaim: XAUTOCLAIM entries idle past the threshold (a dead worker's), carrying the cursor
-  between calls; their delivery counts come from XPENDING.
+  between calls; their delivery counts come from XPENDING. So a delivery count says how many
+  workers were given the request, each past the first because its holder looked dead.
+- sweep: consumers of the group with no heartbeat and no entries are deleted (names are
+  host-pid, so every restart adds one), and dead letters older than their retention trimmed.
 - hand back (shutdown): XCLAIM ... IDLE <large> JUSTID, so that the next reclaim of any live
   worker takes them at once (Redis before 8.8 has no XNACK).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -101,7 +108,7 @@ class Claims:
         kept, lost = [], []
         for flight, attempt in zip(flights, pipe.execute()):
             (kept if attempt is not None and int(attempt) == flight.attempt else lost).append(flight)
-        self._xclaim(kept)
+        self._xclaim([flight.entry for flight in kept])
         return lost
 
     def reclaim(self, room: int) -> list[Entry]:
@@ -121,13 +128,53 @@ class Claims:
                 claimed.append(Entry(stream, entry_id.decode(), fields, deliveries))
         return claimed
 
-    def hand_back(self, flights: list[Flight]) -> None:
-        self._xclaim(flights, idle=HAND_BACK_IDLE_MS)
+    def take_back(self, held: set[tuple[str, str]], room: int) -> list[Entry]:
+        """Up to `room` of our own pending entries that are not in `held` ((stream, entry id))."""
+        taken: list[Entry] = []
+        for stream in self.cursors:
+            if len(taken) >= room:
+                break
+            pending = [entry for entry in self.client.xpending_range(stream, GROUP, "-", "+", len(held) + room,
+                                                                     consumername=self.consumer)
+                       if (stream, entry["message_id"].decode()) not in held][:room - len(taken)]
+            if not pending:
+                continue
+            pipe = self.client.pipeline(transaction=False)
+            for entry in pending:  # min-idle = the idle seen: an entry another worker took meanwhile stays its
+                pipe.xclaim(stream, GROUP, self.consumer, entry["time_since_delivered"], [entry["message_id"]],
+                            justid=True)
+                pipe.xrange(stream, entry["message_id"], entry["message_id"])
+            replies = pipe.execute()
+            for entry, claimed, found in zip(pending, replies[::2], replies[1::2]):
+                if claimed and found:  # an entry deleted under us (XDEL) has nothing to serve
+                    [(entry_id, fields)] = found
+                    taken.append(Entry(stream, entry_id.decode(), fields, entry["times_delivered"]))
+        return taken
 
-    def _xclaim(self, flights: list[Flight], idle: int | None = None) -> None:
+    def sweep(self, dead_letter_ttl_s: int) -> list[str]:
+        """Delete dead consumers, trim old dead letters; -> the consumers deleted."""
+        deleted = []
+        for stream in self.cursors:
+            idle = [consumer["name"] for consumer in self.client.xinfo_consumers(stream, GROUP)
+                    if consumer["pending"] == 0 and consumer["idle"] > self.reclaim_idle_ms]
+            alive = self.client.pipeline(transaction=False)
+            for name in idle:
+                alive.exists(self.keys.worker(_text(name)))
+            for name, beating in zip(idle, alive.execute() if idle else []):
+                if not beating and _text(name) != self.consumer:
+                    self.client.xgroup_delconsumer(stream, GROUP, name)
+                    deleted.append(_text(name))
+        oldest_kept_ms = int(time.time() * 1000) - dead_letter_ttl_s * 1000
+        self.client.xtrim(self.keys.dead_letters, minid=f"{oldest_kept_ms}-0", approximate=True)
+        return deleted
+
+    def hand_back(self, entries: list[Entry]) -> None:
+        self._xclaim(entries, idle=HAND_BACK_IDLE_MS)
+
+    def _xclaim(self, entries: list[Entry], idle: int | None = None) -> None:
         by_stream: dict[str, list[str]] = defaultdict(list)
-        for flight in flights:
-            by_stream[flight.entry.stream].append(flight.entry.entry_id)
+        for entry in entries:
+            by_stream[entry.stream].append(entry.entry_id)
         pipe = self.client.pipeline(transaction=False)
         for stream, entry_ids in by_stream.items():
             pipe.xclaim(stream, GROUP, self.consumer, 0, entry_ids, idle=idle, justid=True)
@@ -139,6 +186,10 @@ class Claims:
         for stream in self.cursors:
             if not self.client.xpending_range(stream, GROUP, "-", "+", 1, consumername=self.consumer):
                 self.client.xgroup_delconsumer(stream, GROUP, self.consumer)
+
+
+def _text(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def _decode_events(replay: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Event] | None:

@@ -40,6 +40,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     intake_ahead: int = 8
     replay_maxlen: int = 10_000
     replay_ttl: int = 600
+    dead_letter_ttl: int = 7 * 24 * 3600
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +53,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (self.max_deliveries >= 1, f"max_deliveries must be >= 1, got {self.max_deliveries}"),
             (self.intake_ahead >= 1, f"intake_ahead must be >= 1, got {self.intake_ahead}"),
             (self.replay_ttl >= 1, f"replay_ttl must be >= 1 s, got {self.replay_ttl}"),
+            (self.dead_letter_ttl >= 1, f"dead_letter_ttl must be >= 1 s, got {self.dead_letter_ttl}"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
         ]
         problems = [message for ok, message in checks if not ok]
@@ -79,10 +81,12 @@ WORKER_FLAGS = {
     "drain_timeout": "seconds SIGTERM lets running requests finish before handing the rest back",
     "heartbeat_interval": "seconds between heartbeats, in-flight refreshes, reclaims and cancel sweeps",
     "reclaim_idle_ms": "take over another worker's request once its entry is idle this long",
-    "max_deliveries": "dead-letter a request delivered more often than this",
+    "max_deliveries": "dead-letter a request given to more workers than this (each past the first because "
+                      "its holder looked dead)",
     "intake_ahead": "requests kept waiting in the engine; more stay in Redis for idle workers",
     "replay_maxlen": "approximate cap on a request's replay stream (must hold all its events)",
     "replay_ttl": "seconds a finished request's events stay readable",
+    "dead_letter_ttl": "seconds a dead letter is kept (the stream is also capped at 100,000 entries)",
 }
 ENGINE_OPTIONS: dict[str, msgspec.structs.FieldInfo] = {
     field.name: field for struct, skip in ((EngineConfig, {"model", "scheduler"}), (SchedulerConfig, {"max_model_len"}))

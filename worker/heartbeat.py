@@ -68,6 +68,10 @@ class Heartbeat:
         self.metrics.observe_queue(backlog, pending)
         return stats
 
+    def extend(self) -> None:
+        """The last beat's stats, kept alive a heartbeat longer (a long step, step_watch.py)."""
+        self.client.pexpire(self.key, self.config.heartbeat_ttl_ms)
+
     def starting(self, phase: str) -> None:
         stats = self._stats("starting", phase, running=0, waiting=0, in_flight=0, kv_usage=0.0, tokens_per_s=0.0)
         self.client.set(self.key, msgspec.json.encode(stats), px=self.config.heartbeat_ttl_ms)

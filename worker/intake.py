@@ -83,9 +83,12 @@ def intake_room(engine: Engine, ahead: int) -> int:
 
 class Intake:
     def __init__(self, client: redis.Redis, blocking: redis.Redis, keys: Keys, consumer: str) -> None:
-        """`blocking` is a connection without a socket timeout, used only for BLOCK reads."""
+        """`blocking` is a connection whose reply timeout allows for the BLOCK reads' wait."""
         self.client, self.blocking, self.keys, self.consumer = client, blocking, keys, consumer
         self.streams = [keys.requests(lane) for lane in LANES]  # fast lane first
+        # Read but not yet taken: a blocking read's COUNT applies per stream, so it may return
+        # more than the room; the rest is ours (pending under this consumer) and comes first next time.
+        self.deferred: list[Entry] = []
 
     def ensure_groups(self) -> None:
         for stream in self.streams:
@@ -100,12 +103,16 @@ class Intake:
         first one (only when the engine is idle: the wait would stall running requests)."""
         if room <= 0:
             return []
+        entries, self.deferred = self.deferred[:room], self.deferred[room:]
+        if entries:
+            return entries
         try:
             if block_ms is not None:
                 reply = self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(self.streams, ">"),
                                                  count=room, block=block_ms)
-                return self._entries(reply)
-            entries: list[Entry] = []
+                entries = self._entries(reply)
+                entries, self.deferred = entries[:room], entries[room:]
+                return entries
             for stream in self.streams:
                 if len(entries) < room:
                     entries += self._entries(self.client.xreadgroup(GROUP, self.consumer, {stream: ">"},

@@ -2,15 +2,19 @@
 
 One `poll()` is one turn:
   1. housekeeping when due: refresh our entries (dropping those another worker took), sweep
-     the cancel keys, reclaim idle entries of dead workers, beat;
+     the cancel keys, take back our own entries that we dropped, reclaim idle entries of dead
+     workers, beat; now and then delete dead consumers and trim old dead letters;
   2. cancellations nudged on the cancel channel;
   3. intake, as much as the backpressure rule allows (a blocking read only when idle);
   4. deadlines of requests not started yet, then one engine step;
   5. the outbox writes the turn's events in one round trip; finished entries are acked.
 
 A Redis error (or any other failure of a turn) drops every request held: their entries stay
-pending, and a reclaim (ours or another worker's) resumes each from its replay stream, so
-nothing is written twice. A failed engine step is the engine's to recover from (engine.py).
+pending under this worker, which takes them back (without raising their delivery counts) and
+resumes each from its replay stream at the first housekeeping that reaches Redis again, so
+nothing is written twice or lost, and a blip costs a recompute. Turns that keep failing are
+spaced out, up to MAX_RETRY_S apart. A failed engine step is the engine's to recover from
+(engine.py); a long one is kept alive by step_watch.py.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 import redis
 import structlog
 
-from producer.protocol import LANES, Keys, Request
+from producer.protocol import LANES, Keys, Request, connection_options
 from worker.cancels import Cancels
 from worker.claims import Claim, Claims
 from worker.config import WorkerConfig
@@ -32,8 +36,10 @@ from worker.heartbeat import Heartbeat, StartupBeat
 from worker.intake import Entry, Intake, Rejected, decode_entry, engine_prompt, intake_room
 from worker.metrics import Metrics
 from worker.outbox import Outbox
+from worker.step_watch import StepWatch
 
-REDIS_RETRY_S = 1.0
+RETRY_S, MAX_RETRY_S = 0.1, 5.0  # the wait after a failed turn, doubling while turns keep failing
+SWEEP_BEATS = 30  # housekeeping rounds between sweeps of dead consumers and old dead letters
 
 
 class Worker:
@@ -41,7 +47,7 @@ class Worker:
         """Loads the engine unless one is given, beating "starting" with each phase meanwhile."""
         self.config = config
         self.keys = Keys(config.prefix)
-        self.client = redis.Redis.from_url(config.redis_url)
+        self.client = redis.Redis.from_url(config.redis_url, **connection_options())
         self.metrics = Metrics()
         self.heartbeat = Heartbeat(self.client, self.keys, config, self.metrics)
         self.log = structlog.get_logger("worker").bind(worker=config.name)
@@ -52,16 +58,19 @@ class Worker:
         if config.replay_maxlen <= self.engine.max_model_len:
             raise ValueError(f"replay_maxlen ({config.replay_maxlen}) must exceed the model length "
                              f"({self.engine.max_model_len}): every event of a request must stay replayable")
-        unbounded = redis.Redis.from_url(config.redis_url, socket_timeout=None)  # BLOCK reads, pub/sub
-        self.intake = Intake(self.client, unbounded, self.keys, config.name)
+        blocking = redis.Redis.from_url(config.redis_url, **connection_options(blocking_ms=config.block_ms))
+        self.intake = Intake(self.client, blocking, self.keys, config.name)
         self.claims = Claims(self.client, self.keys, config.name, config.replay_ttl, config.reclaim_idle_ms)
         self.outbox = Outbox(self.client, self.keys, config.replay_maxlen, config.replay_ttl)
         self.metrics_server = self.metrics.serve(config.metrics_port) if config.metrics_port is not None else None
-        self.cancels = Cancels(self.client, unbounded, self.keys)
+        self.cancels = Cancels(self.client, self.keys)
+        self.step_watch = StepWatch(config.heartbeat_interval, self.keep_alive, self.log)
         self.intake.ensure_groups()
         self.lanes = {self.keys.requests(lane): lane for lane in LANES}
         self.flights: dict[str, Flight] = {}
         self.next_housekeeping = 0.0
+        self.housekeeping_rounds = 0
+        self.failed_turns = 0  # in a row
         self.generated = 0  # tokens, for the heartbeat's rate
         self.stopping = False  # set by a signal handler: nothing else happens there
         self.drain_until: float | None = None
@@ -81,17 +90,22 @@ class Worker:
         never the worker; the engine recovers from a failed step by itself (engine.py)."""
         try:
             self.poll()
+            self.failed_turns = 0
         except redis.RedisError as error:
-            self.log.error("worker.redis_error", error=str(error))
+            self.log.error("worker.redis_error", error=str(error), failed_turns=self.failed_turns + 1)
             self.drop_all("redis error")
         except Exception:
-            self.log.exception("worker.turn_failed")
+            self.log.exception("worker.turn_failed", failed_turns=self.failed_turns + 1)
             self.drop_all("worker error")
 
     def drop_all(self, reason: str) -> None:
+        """After a failed turn: every request goes (taken back by the next housekeeping), and the
+        next turn waits a while, the longer the more turns failed in a row."""
         for flight in list(self.flights.values()):
             self.drop(flight, reason)
-        time.sleep(REDIS_RETRY_S)  # before the next turn: the cause may need a moment
+        self.next_housekeeping = 0.0  # take them back as soon as Redis answers
+        self.failed_turns += 1
+        time.sleep(min(MAX_RETRY_S, RETRY_S * 2 ** (self.failed_turns - 1)))
 
     def stop(self) -> None:
         """Drain (SIGTERM): safe to call from a signal handler."""
@@ -121,12 +135,28 @@ class Worker:
             self.drop(flight, "claimed by another worker")
         self.cancel(self.cancels.swept([request_id for request_id, flight in self.flights.items() if flight.sequence]))
         if self.drain_until is None:
+            held = {(flight.entry.stream, flight.entry.entry_id) for flight in self.flights.values()}
+            held |= {(entry.stream, entry.entry_id) for entry in self.intake.deferred}
+            taken_back = self.claims.take_back(held, intake_room(self.engine, self.config.intake_ahead))
+            if taken_back:
+                self.log.info("worker.took_back", entries=[entry.entry_id for entry in taken_back])
+                self.take(taken_back)
             reclaimed = self.claims.reclaim(intake_room(self.engine, self.config.intake_ahead))
             if reclaimed:
                 self.metrics.reclaimed.inc(len(reclaimed))
                 self.log.info("worker.reclaimed", entries=[entry.entry_id for entry in reclaimed])
                 self.take(reclaimed)
         self.heartbeat.beat(self.engine, len(self.flights), self.generated, draining=self.drain_until is not None)
+        if self.housekeeping_rounds % SWEEP_BEATS == 0:
+            deleted = self.claims.sweep(self.config.dead_letter_ttl)
+            if deleted:
+                self.log.info("worker.deleted_dead_consumers", consumers=deleted)
+        self.housekeeping_rounds += 1
+
+    def keep_alive(self, flights: list[Flight]) -> None:
+        """During a long step (StepWatch's thread): refresh the step's claims, extend the heartbeat."""
+        self.claims.refresh(flights)  # any lost ones are found again, and dropped, by the next housekeeping
+        self.heartbeat.extend()
 
     # --- intake ------------------------------------------------------------------------
     def take(self, entries: list[Entry]) -> None:
@@ -213,7 +243,8 @@ class Worker:
     # --- step and outbox ---------------------------------------------------------------
     def step(self) -> None:
         started = time.monotonic()
-        outputs = self.engine.step()
+        with self.step_watch.step(list(self.flights.values())):
+            outputs = self.engine.step()
         now = time.monotonic()
         self.metrics.step_time.observe(now - started)
         self.metrics.observe_engine(self.engine)
@@ -258,7 +289,8 @@ class Worker:
     # --- shutdown ----------------------------------------------------------------------
     def hand_back(self) -> None:
         flights = list(self.flights.values())
-        self.claims.hand_back(flights)
+        self.claims.hand_back([flight.entry for flight in flights] + self.intake.deferred)
+        self.intake.deferred = []
         for flight in flights:
             self.drop(flight, "handed back")
 
@@ -269,6 +301,7 @@ class Worker:
         except redis.RedisError as error:
             self.log.error("worker.close_failed", error=str(error))
         self.cancels.close()
+        self.step_watch.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()

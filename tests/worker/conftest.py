@@ -58,7 +58,7 @@ def make_worker(redis_url, model):
     def make(name: str = "w1", engine_options: dict | None = None, **options) -> Worker:
         options = {"heartbeat_interval": 0.2, "reclaim_idle_ms": 60_000} | options
         engine = EngineConfig.from_options(MODEL, **{"num_blocks": NUM_BLOCKS} | (engine_options or {}))
-        config = WorkerConfig(engine=engine, redis_url=redis_url, name=name, **options)
+        config = WorkerConfig(engine=engine, name=name, **{"redis_url": redis_url} | options)
         worker = Worker(config, engine=Engine(engine, model=model))
         workers.append(worker)
         return worker

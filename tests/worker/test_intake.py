@@ -72,6 +72,17 @@ def test_reads_take_the_fast_lane_first_and_no_more_than_the_room(intake, any_cl
     assert intake.read(5, block_ms=10) == []
 
 
+def test_a_blocking_read_of_both_lanes_never_takes_more_than_the_room(intake, any_client):
+    """COUNT applies per stream: the extra entry is ours already and comes first next time."""
+    fast = submit(any_client, Request(id="f", prompt_ids=[5]), "fast")
+    normal = submit(any_client, Request(id="n", prompt_ids=[5]))
+    assert [e.entry_id for e in intake.read(1, block_ms=10)] == [fast]
+    assert any_client.xpending(KEYS.requests("normal"), GROUP)["pending"] == 1  # read, deferred
+    later = submit(any_client, Request(id="later", prompt_ids=[5]))
+    assert [e.entry_id for e in intake.read(1, block_ms=10)] == [normal]
+    assert [e.entry_id for e in intake.read(1, block_ms=10)] == [later]
+
+
 def test_ack_deletes_the_entries_and_records_dead_letters(intake, any_client):
     submit(any_client, Request(id="good", prompt_ids=[5]))
     any_client.xadd(KEYS.requests("normal"), {b"junk": b"\x00"})

@@ -327,14 +327,46 @@ def test_a_turn_that_fails_costs_the_held_requests_not_the_worker(make_worker, c
     submit(client, Request(id="held", prompt_ids=[5, 6, 7], params=greedy(50)))
     worker.poll()
     assert "held" in worker.flights
-    monkeypatch.setattr("worker.service.REDIS_RETRY_S", 0)
+    monkeypatch.setattr("worker.service.RETRY_S", 0)
     monkeypatch.setattr(worker.outbox, "flush", lambda flights: 1 / 0)
     worker.turn()  # does not raise
     assert worker.flights == {}  # dropped: the engine lets go of it at its next step
-    assert client.xpending(KEYS.requests("normal"), GROUP)["pending"] == 1  # left for a reclaim
+    assert client.xpending(KEYS.requests("normal"), GROUP)["pending"] == 1  # still ours, to take back
     monkeypatch.undo()
     submit(client, Request(id="next", prompt_ids=[8, 9], params=greedy(3)))
-    run_until([worker], lambda: is_finished(client, "next"))
+    run_until([worker], lambda: is_finished(client, "next") and is_finished(client, "held"))
+
+
+def test_a_redis_blip_costs_a_recompute_never_a_delivery(make_worker, client, model, monkeypatch):
+    """Turns failing with Redis errors drop what the worker holds; the first housekeeping that
+    reaches Redis again takes its own entries back (delivery counts untouched) and resumes
+    each from its replay stream: nothing is lost, repeated or dead-lettered, even with
+    max_deliveries 1 and no reclaim for a minute."""
+    worker = make_worker(max_deliveries=1, reclaim_idle_ms=60_000)
+    prompts = prompts_of(3, seed=4)
+    for i, prompt in enumerate(prompts):
+        submit(client, Request(id=f"b{i}", prompt_ids=prompt, params=greedy(40)))
+    run_until([worker], lambda: all(len(replay(client, f"b{i}")) >= 3 for i in range(3)))
+    monkeypatch.setattr("worker.service.RETRY_S", 0.01)
+    flush = worker.outbox.flush
+    failures = iter([True] * 3)
+
+    def blip(flights):
+        if next(failures, False):
+            raise redis.ConnectionError("Connection reset by peer")
+        return flush(flights)
+
+    monkeypatch.setattr(worker.outbox, "flush", blip)
+    deadline = time.monotonic() + 20
+    while backlog(client):
+        assert time.monotonic() < deadline, "not resumed"
+        worker.turn()  # as Worker.run does: a failed turn is survived
+
+    assert client.xlen(KEYS.dead_letters) == 0
+    for i, tokens in enumerate(offline(model, prompts, [greedy(40)] * 3)):
+        events = replay(client, f"b{i}")
+        assert_numbered(events)
+        assert tokens_of(events) == tokens and events[-1].attempt > 1, f"b{i}"  # resumed, from the tokens written
 
 
 def test_a_request_whose_keys_are_damaged_is_dead_lettered_its_consumers_told_and_the_rest_served(
@@ -362,3 +394,49 @@ def test_a_request_whose_keys_are_damaged_is_dead_lettered_its_consumers_told_an
         with pytest.raises(EventsLost, match=f"request {request_id} was dead-lettered: "):
             producer.result(request_id, timeout=5)
     assert producer.result("good", timeout=5).finish_reason == "length"
+
+
+def test_a_step_longer_than_the_reclaim_threshold_keeps_its_claims_and_heartbeat(make_worker, client):
+    busy = make_worker("w1", heartbeat_interval=0.2, reclaim_idle_ms=600)
+    idle = make_worker("w2", heartbeat_interval=0.2, reclaim_idle_ms=600)
+    submit(client, Request(id="slow", prompt_ids=[5, 6, 7], params=greedy(5)))
+    busy.poll()
+    step = busy.engine.step
+
+    def long_step():
+        time.sleep(1.5)  # a long prefill on a slow CPU: 2.5 reclaim thresholds
+        return step()
+
+    busy.engine.step = long_step
+    stepping = threading.Thread(target=busy.poll)
+    stepping.start()
+    time.sleep(1.2)
+    idle.housekeeping()  # would reclaim an entry idle past 600 ms
+    assert idle.flights == {} and client.exists(KEYS.worker("w1"))
+    [entry] = client.xpending_range(KEYS.requests("normal"), GROUP, "-", "+", 10)
+    assert entry["consumer"] == b"w1" and entry["time_since_delivered"] < 600
+    stepping.join()
+    busy.engine.step = step
+    run_until([busy], lambda: is_finished(client, "slow"))
+    assert {event.attempt for event in replay(client, "slow")} == {1}
+
+
+def test_dead_consumers_are_deleted_and_old_dead_letters_trimmed(make_worker, client):
+    stream = KEYS.requests("normal")
+    worker = make_worker("w1", reclaim_idle_ms=600)
+    client.xadd(stream, {FIELD: encode(Request(id="held", prompt_ids=[5]))})
+    client.xreadgroup(GROUP, "crashed-holding", {stream: ">"})  # dead, but holds an entry: kept
+    client.xgroup_createconsumer(stream, GROUP, "crashed-empty")  # dead, holds nothing: deleted
+    client.xgroup_createconsumer(stream, GROUP, "alive-empty")  # holds nothing, but beats: kept
+    client.set(KEYS.worker("alive-empty"), b"{}")
+    old = int(time.time() * 1000) - 3600_000
+    for i in range(300):  # an hour old, then fresh ones
+        client.xadd(KEYS.dead_letters, {"reason": "old"}, id=f"{old}-{i}")
+    client.xadd(KEYS.dead_letters, {"reason": "new"})
+    time.sleep(0.7)
+
+    assert worker.claims.sweep(dead_letter_ttl_s=60) == ["crashed-empty"]
+    names = {consumer["name"] for consumer in client.xinfo_consumers(stream, GROUP)}
+    assert {b"crashed-holding", b"alive-empty"} <= names and b"crashed-empty" not in names
+    reasons = [fields[b"reason"] for _, fields in client.xrange(KEYS.dead_letters)]
+    assert b"new" in reasons and reasons.count(b"old") < 300  # trimmed (approximately: whole nodes)
