@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[worker,rq,dev]'
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) || \
 		(echo "redis-server is missing and could not be installed here: install it (Debian/Ubuntu: sudo apt-get install redis-server) and run make again" >&2; exit 1)
+	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus && \
+		(systemctl disable --now prometheus 2>/dev/null || true)) || \
+		(echo "promtool is missing and could not be installed here: install it (Debian/Ubuntu: sudo apt-get install prometheus) and run make again" >&2; exit 1)
 	touch $(STAMP)
 
 # What a worker's first start on a machine would otherwise do (build the native kernels, convert

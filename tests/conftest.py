@@ -27,6 +27,29 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def launch():
+    """`launch(command, log_path)` starts a process from the repository root, its output in the
+    log; any still running when the test ends is killed."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    processes = []
+
+    def start(command: list[str], log_path) -> subprocess.Popen:
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A private redis-server on a free port for this test session (never a shared one)."""

@@ -19,6 +19,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.scheduler_config import SchedulerConfig
 
 ENV_PREFIX = "STREAMBATCH_"
+DEFAULT_MODEL = EngineConfig().model  # (EngineConfig.model, on the class, is msgspec's field descriptor)
 
 
 def default_name() -> str:
@@ -75,7 +76,7 @@ WORKER_FLAGS = {
     "redis_url": "Redis URL",
     "name": "consumer name in the group, and heartbeat key (default: host-pid)",
     "prefix": "key prefix shared with the producers",
-    "metrics_port": "serve Prometheus /metrics on this port (0: any free port)",
+    "metrics_port": "serve /metrics (Prometheus), /healthz and /readyz on this port (0: any free port)",
     "threads": "torch threads",
     "log_level": "debug, info, warning or error",
     "drain_timeout": "seconds SIGTERM lets running requests finish before handing the rest back",
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker", description="Serve an LLM from Redis lane streams.",
                                      epilog=f"Every flag can also come from {ENV_PREFIX}<NAME>, "
                                             f"e.g. {ENV_PREFIX}TOKEN_BUDGET.")
-    parser.add_argument("--model", help=f"model name or path (default {EngineConfig.model})")
+    parser.add_argument("--model", help=f"model name or path (default {DEFAULT_MODEL})")
     defaults = {field.name: field.default for field in msgspec.structs.fields(WorkerConfig)}
     for name, description in WORKER_FLAGS.items():
         default = defaults[name] if name != "name" else None
@@ -124,7 +125,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         value = value if value is not None else environ.get(ENV_PREFIX + name.upper())
         if value is not None:
             raw[name] = value
-    model = raw.pop("model", EngineConfig.model)
+    model = raw.pop("model", DEFAULT_MODEL)
     try:
         engine_options = {name: _engine_option(name, raw.pop(name)) for name in list(raw) if name in ENGINE_OPTIONS}
         engine = EngineConfig.from_options(model, **engine_options)

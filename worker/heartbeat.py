@@ -4,7 +4,7 @@ workers from it, and whoever starts a worker (the demo, a readiness check) follo
 `state` and `phase`: while the engine loads (minutes on a machine that must first build the
 native kernels or convert the model) a thread beats "starting" with what the worker is doing;
 then the loop beats "ready" and, after SIGTERM, "draining". The loop's beat also samples the
-lane streams' backlog and pending counts for the metrics."""
+lane streams' backlog, pending and lag counts for the metrics."""
 
 from __future__ import annotations
 
@@ -65,7 +65,11 @@ class Heartbeat:
         backlog = {lane: length if isinstance(length, int) else 0 for lane, length in zip(LANES, queues[::2])}
         pending = {lane: summary["pending"] if isinstance(summary, dict) else 0
                    for lane, summary in zip(LANES, queues[1::2])}
-        self.metrics.observe_queue(backlog, pending)
+        # Not yet delivered to any worker: exact, since an acked entry is also XDELed (intake.py), and
+        # read at no cost. (XINFO GROUPS' `lag` needs Redis 7 and turns null once an entry not yet
+        # delivered is deleted or trimmed.) At least 0: an entry XDELed while pending counts only there.
+        lag = {lane: max(0, backlog[lane] - pending[lane]) for lane in LANES}
+        self.metrics.observe_queue(backlog, pending, lag)
         return stats
 
     def extend(self) -> None:

@@ -1,19 +1,36 @@
 """Prometheus metrics with vLLM-style names under `streambatch:`, in a registry of their own
-per worker (a process may hold several, as the tests do).
+per worker (a process may hold several, as the tests do), served on the metrics port with the
+worker's health checks:
 
-Request latencies are measured from the moment this worker took the request from Redis;
-counters of the engine's own totals (preemptions, prefix cache) advance by the difference
-since the previous step (totals start again from 0 after the engine recovers from a failed step).
+- /metrics: the Prometheus text format (any path other than the two below, as before);
+- /healthz: liveness. 200 while the loop turns: a turn completed in the last STALLED_AFTER_S
+  (a failing turn counts: a Redis outage is not cured by a restart), or the loop has not
+  started yet (the engine is loading); 503 once the loop is stuck (a hung step, a deadlock);
+- /readyz: readiness. 200 only once the engine is loaded (the model, and the native kernels or
+  the torch fallback), the latest turn reached Redis, the loop is not stuck and the worker is
+  not draining; 503 otherwise. The gauge `worker_ready` says the same.
+Each answers a small JSON object: its verdict, the worker's state, and on a 503 the reason.
+
+Request latencies are measured from the moment this worker took the request from Redis and
+labelled with the request's lane; counters of the engine's own totals (preemptions, prefix cache)
+advance by the difference since the previous step (totals start again from 0 after the engine
+recovers from a failed step).
 """
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from collections import Counter as Tally
-from wsgiref.simple_server import WSGIServer
+from dataclasses import dataclass
+from http import HTTPStatus
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
-from producer.protocol import LANES
+from producer.protocol import LANES, WorkerState
 from worker.engine.engine import Engine
 from worker.engine.outputs import RequestOutput
 from worker.flight import Flight
@@ -26,6 +43,9 @@ INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+# No turn legitimately takes this long: a blocking read waits at most 1 s, a failed turn at most
+# 5 s (service.py), and an engine step is one token budget's work: seconds, a minute on a slow CPU.
+STALLED_AFTER_S = 300.0
 
 
 def kv_usage(engine: Engine) -> float:
@@ -33,12 +53,60 @@ def kv_usage(engine: Engine) -> float:
     return 1 - engine.pool.num_free_blocks / engine.pool.num_blocks
 
 
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+@dataclass
+class Health:
+    """What /healthz and /readyz answer; the worker's loop keeps it current (service.py)."""
+    state: WorkerState = "starting"  # "ready" once the engine is loaded, "draining" after SIGTERM
+    last_turn: float | None = None  # time.monotonic() when the loop last completed a turn
+    # The latest turn's Redis error: the turn after a failed one starts with housekeeping, so a
+    # turn that succeeds has reached Redis.
+    redis_error: str | None = None
 
-        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, documentation, buckets=buckets, registry=self.registry)
+    def stall(self) -> str | None:
+        """Why the loop counts as stuck, if it does."""
+        if self.last_turn is None:
+            return None  # not started: the engine is loading
+        since = time.monotonic() - self.last_turn
+        if since <= STALLED_AFTER_S:
+            return None
+        return f"the loop has not completed a turn for {since:.0f} s (limit {STALLED_AFTER_S:.0f} s)"
+
+    def unready(self) -> str | None:
+        """Why the worker is not ready, if it is not."""
+        if self.state == "starting":
+            return "loading the engine (native kernels, model, KV cache)"
+        if self.state == "draining":
+            return "draining: finishing the requests it holds, taking no new ones"
+        if self.redis_error is not None:
+            return f"Redis unreachable: {self.redis_error}"
+        return self.stall()
+
+    def liveness(self) -> tuple[HTTPStatus, dict]:
+        reason = self.stall()
+        if reason is not None:
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"alive": False, "state": self.state, "reason": reason}
+        return HTTPStatus.OK, {"alive": True, "state": self.state}
+
+    def readiness(self) -> tuple[HTTPStatus, dict]:
+        reason = self.unready()
+        if reason is not None:
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"ready": False, "state": self.state, "reason": reason}
+        return HTTPStatus.OK, {"ready": True, "state": self.state}
+
+
+class QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """No line per request: an orchestrator probes every few seconds, Prometheus scrapes as often."""
+
+
+class Metrics:
+    def __init__(self, health: Health) -> None:
+        self.registry = CollectorRegistry()
+        self.health = health
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...],
+                      labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(PREFIX + name, documentation, labels, buckets=buckets, registry=self.registry)
 
         def gauge(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
             return Gauge(PREFIX + name, documentation, labels, registry=self.registry)
@@ -47,13 +115,17 @@ class Metrics:
             return Counter(PREFIX + name, documentation, labels, registry=self.registry)
 
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Taken from Redis -> first token.",
-                                             FIRST_TOKEN_BUCKETS)
+                                             FIRST_TOKEN_BUCKETS, ("lane",))
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Gap between a request's tokens.",
-                                             INTER_TOKEN_BUCKETS)
+                                             INTER_TOKEN_BUCKETS, ("lane",))
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Taken from Redis -> finished.",
-                                             REQUEST_BUCKETS)
+                                             REQUEST_BUCKETS, ("lane",))
         self.request_queue_time = histogram("request_queue_time_seconds", "Time waiting in the engine.",
-                                            REQUEST_BUCKETS)
+                                            REQUEST_BUCKETS, ("lane",))
+        for lane in LANES:  # a series per lane from the start, at 0, rather than absent until used
+            for latency in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
+                            self.request_queue_time):
+                latency.labels(lane)
         self.step_time = histogram("step_time_seconds", "Duration of one engine step.", STEP_BUCKETS)
         self.running = gauge("num_requests_running", "Requests running in the engine.", ("lane",))
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the engine.", ("lane",))
@@ -66,14 +138,30 @@ class Metrics:
         self.request_success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
         self.queue_backlog = gauge("queue_backlog", "Entries in the lane stream (XLEN).", ("lane",))
         self.queue_pending = gauge("queue_pending", "Entries delivered to a worker, not yet acked.", ("lane",))
+        self.queue_lag = gauge("queue_lag", "Entries no worker has taken yet (backlog - pending).", ("lane",))
+        self.worker_ready = gauge("worker_ready", "1 when /readyz answers 200, else 0.")
+        self.worker_ready.set_function(lambda: health.unready() is None)
         self.reclaimed = counter("reclaimed_requests", "Requests taken over from an idle (dead) worker.")
         self.dead_letters = counter("dead_letters", "Entries moved to the dead-letter stream.")
         self.failed_steps = counter("engine_failed_steps", "Engine steps that raised (the engine recovered).")
         self._engine_totals: dict[Counter, int] = {}
 
     def serve(self, port: int) -> WSGIServer:
-        """Serve /metrics in a daemon thread; port 0 picks a free one (`server.server_port`)."""
-        server, _ = start_http_server(port, registry=self.registry)
+        """Serve /metrics, /healthz and /readyz in a daemon thread (a thread per request); port 0
+        picks a free one (`server.server_port`)."""
+        metrics_app = make_wsgi_app(self.registry)
+        checks = {"/healthz": self.health.liveness, "/readyz": self.health.readiness}
+
+        def app(environ, start_response):
+            check = checks.get(environ["PATH_INFO"])
+            if check is None:
+                return metrics_app(environ, start_response)
+            status, body = check()
+            start_response(f"{status.value} {status.phrase}", [("Content-Type", "application/json")])
+            return [json.dumps(body).encode()]
+
+        server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
         return server
 
     def observe_engine(self, engine: Engine) -> None:
@@ -93,19 +181,21 @@ class Metrics:
 
     def observe_output(self, flight: Flight, output: RequestOutput, now: float) -> None:
         """Before `flight.last_token` moves to `now`."""
+        lane = flight.sequence.lane
         if output.token_ids:
             self.generation_tokens.inc(len(output.token_ids))
             if flight.last_token is not None:
-                self.inter_token_latency.observe(now - flight.last_token)
+                self.inter_token_latency.labels(lane).observe(now - flight.last_token)
             elif not flight.resumed:
-                self.time_to_first_token.observe(now - flight.received)
+                self.time_to_first_token.labels(lane).observe(now - flight.received)
         if output.finished:
             self.request_success.labels(output.finish_reason).inc()
-            self.e2e_request_latency.observe(now - flight.received)
+            self.e2e_request_latency.labels(lane).observe(now - flight.received)
             self.prompt_tokens.inc(output.usage.prompt_tokens)
-            self.request_queue_time.observe(output.timings.queued)
+            self.request_queue_time.labels(lane).observe(output.timings.queued)
 
-    def observe_queue(self, backlog: dict[str, int], pending: dict[str, int]) -> None:
+    def observe_queue(self, backlog: dict[str, int], pending: dict[str, int], lag: dict[str, int]) -> None:
         for lane in LANES:
             self.queue_backlog.labels(lane).set(backlog[lane])
             self.queue_pending.labels(lane).set(pending[lane])
+            self.queue_lag.labels(lane).set(lag[lane])

@@ -34,7 +34,7 @@ from worker.engine.sequence import FinishReason
 from worker.flight import Flight
 from worker.heartbeat import Heartbeat, StartupBeat
 from worker.intake import Entry, Intake, Rejected, decode_entry, engine_prompt, intake_room
-from worker.metrics import Metrics
+from worker.metrics import Health, Metrics
 from worker.outbox import Outbox
 from worker.step_watch import StepWatch
 
@@ -44,11 +44,14 @@ SWEEP_BEATS = 30  # housekeeping rounds between sweeps of dead consumers and old
 
 class Worker:
     def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
-        """Loads the engine unless one is given, beating "starting" with each phase meanwhile."""
+        """Loads the engine unless one is given, beating "starting" with each phase meanwhile; the
+        metrics port is served from before the load, so that /readyz says "starting" all along."""
         self.config = config
         self.keys = Keys(config.prefix)
         self.client = redis.Redis.from_url(config.redis_url, **connection_options())
-        self.metrics = Metrics()
+        self.health = Health()
+        self.metrics = Metrics(self.health)
+        self.metrics_server = self.metrics.serve(config.metrics_port) if config.metrics_port is not None else None
         self.heartbeat = Heartbeat(self.client, self.keys, config, self.metrics)
         self.log = structlog.get_logger("worker").bind(worker=config.name)
         if engine is None:
@@ -62,7 +65,6 @@ class Worker:
         self.intake = Intake(self.client, blocking, self.keys, config.name)
         self.claims = Claims(self.client, self.keys, config.name, config.replay_ttl, config.reclaim_idle_ms)
         self.outbox = Outbox(self.client, self.keys, config.replay_maxlen, config.replay_ttl)
-        self.metrics_server = self.metrics.serve(config.metrics_port) if config.metrics_port is not None else None
         self.cancels = Cancels(self.client, self.keys)
         self.step_watch = StepWatch(config.heartbeat_interval, self.keep_alive, self.log)
         self.intake.ensure_groups()
@@ -75,6 +77,7 @@ class Worker:
         self.stopping = False  # set by a signal handler: nothing else happens there
         self.drain_until: float | None = None
         self.done = False
+        self.health.state = "ready"  # the engine is loaded and Redis answered (ensure_groups)
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -91,12 +94,15 @@ class Worker:
         try:
             self.poll()
             self.failed_turns = 0
+            self.health.redis_error = None
         except redis.RedisError as error:
             self.log.error("worker.redis_error", error=str(error), failed_turns=self.failed_turns + 1)
+            self.health.redis_error = str(error)
             self.drop_all("redis error")
         except Exception:
             self.log.exception("worker.turn_failed", failed_turns=self.failed_turns + 1)
             self.drop_all("worker error")
+        self.health.last_turn = time.monotonic()
 
     def drop_all(self, reason: str) -> None:
         """After a failed turn: every request goes (taken back by the next housekeeping), and the
@@ -114,6 +120,7 @@ class Worker:
     def poll(self) -> None:
         if self.stopping and self.drain_until is None:
             self.drain_until = time.monotonic() + self.config.drain_timeout
+            self.health.state = "draining"
             self.log.info("worker.draining", in_flight=len(self.flights), timeout_s=self.config.drain_timeout)
         if time.monotonic() >= self.next_housekeeping:
             self.housekeeping()

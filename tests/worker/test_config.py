@@ -20,14 +20,14 @@ def test_flags_win_over_variables_which_win_over_defaults():
 
 def test_the_model_can_come_from_the_environment():
     assert parse_config([], {"STREAMBATCH_MODEL": "random:qwen2"}).engine.model == "random:qwen2"
-    assert parse_config([], {}).engine.model == EngineConfig.model
+    assert parse_config([], {}).engine.model == "smollm2-135m"  # the bundled model
 
 
 def test_every_engine_option_is_a_flag_of_the_same_name():
     for name, field in ENGINE_OPTIONS.items():
         if field.default is not None and field.type is not bool:
             config = parse_config([flag(name), str(field.default)], {})
-            assert config.engine == EngineConfig.from_options(EngineConfig.model, **{name: field.default}), name
+            assert config.engine == EngineConfig.from_options("smollm2-135m", **{name: field.default}), name
 
 
 @pytest.mark.parametrize("argv, message", [

