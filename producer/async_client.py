@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import redis
 import redis.asyncio
 
-from producer.client import DEFAULT_URL
+from producer.client import DEFAULT_URL, MAX_CONNECTIONS
 from producer.completion import Completion
 from producer.core import Call, Deliver, Flow, Operation, Pause, ProducerCore, Steps, Subscribe
 from producer.errors import Disconnected
@@ -25,10 +25,13 @@ class AsyncProducer:
         """See Producer."""
         self.core = ProducerCore(Keys(prefix), max_backlog, int(claim_ttl), poll_interval)
         self.keys = self.core.keys
-        self.redis = redis.asyncio.Redis.from_url(url, **connection_options())
+        self.redis = redis.asyncio.Redis.from_url(url, **connection_options(), max_connections=MAX_CONNECTIONS)
+        self._listener = redis.asyncio.Redis.from_url(url, **connection_options(),
+                                                      max_connections=MAX_CONNECTIONS)  # see Producer
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+        await self._listener.aclose()
 
     async def __aenter__(self) -> AsyncProducer:
         return self
@@ -57,6 +60,18 @@ class AsyncProducer:
 
     async def stats(self) -> QueueStats:
         return await self._run(self.core.stats())
+
+    async def pin(self, name: str, prompt: str | None = None, *, messages: list[Message] | list[dict] | None = None,
+                  prompt_ids: list[int] | None = None) -> None:
+        """See Producer.pin."""
+        await self._run(self.core.pin(build_request(prompt, messages=messages, prompt_ids=prompt_ids,
+                                                    request_id=name)))
+
+    async def unpin(self, name: str) -> bool:
+        return await self._run(self.core.unpin(checked_id(name)))
+
+    async def pins(self) -> dict[str, Request]:
+        return await self._run(self.core.pins())
 
     async def _run(self, flow: Flow):
         steps = Steps(flow)
@@ -116,7 +131,7 @@ class AsyncHandle:
         return Completion.from_events(self.id, [event async for event in self.stream(timeout)])
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Event]:
-        pubsub = self.producer.redis.pubsub()
+        pubsub = self.producer._listener.pubsub()
         try:
             async for event in self.producer._drive(Steps(self.producer.core.stream(self.id, timeout)), pubsub):
                 yield event

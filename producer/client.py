@@ -19,6 +19,7 @@ from producer.stats import QueueStats
 from producer.submission import build_request, checked_id
 
 DEFAULT_URL = "redis://localhost:6379/0"
+MAX_CONNECTIONS = 10_000  # per pool: Redis's own default maxclients (redis-py 8 would stop at 100)
 
 
 class Producer:
@@ -32,10 +33,14 @@ class Producer:
         re-reads the replay stream."""
         self.core = ProducerCore(Keys(prefix), max_backlog, int(claim_ttl), poll_interval)
         self.keys = self.core.keys
-        self.redis = redis.Redis.from_url(url, **connection_options())
+        self.redis = redis.Redis.from_url(url, **connection_options(), max_connections=MAX_CONNECTIONS)
+        # Each live stream holds a subscribed connection for as long as it lasts: in a pool of
+        # their own, so that streams never take the connections commands need.
+        self._listener = redis.Redis.from_url(url, **connection_options(), max_connections=MAX_CONNECTIONS)
 
     def close(self) -> None:
         self.redis.close()
+        self._listener.close()
 
     def __enter__(self) -> Producer:
         return self
@@ -65,6 +70,24 @@ class Producer:
 
     def stats(self) -> QueueStats:
         return self._run(self.core.stats())
+
+    def pin(self, name: str, prompt: str | None = None, *, messages: list[Message] | list[dict] | None = None,
+            prompt_ids: list[int] | None = None) -> None:
+        """Have every worker keep this prefix in its KV cache, never evicted, until `unpin(name)`:
+        one of `prompt` (text, tokenized as a prompt is), `messages` (rendered with the chat template
+        without the generation prompt: the head of every conversation that goes on from them) or
+        `prompt_ids`. Only its whole KV blocks are pinned, from the next request that computes them;
+        workers apply it within a heartbeat, and log a prefix that does not fit their pool. `name`
+        follows the request id rule; pinning a name again replaces its prefix."""
+        self._run(self.core.pin(build_request(prompt, messages=messages, prompt_ids=prompt_ids, request_id=name)))
+
+    def unpin(self, name: str) -> bool:
+        """-> False if no prefix of that name was pinned."""
+        return self._run(self.core.unpin(checked_id(name)))
+
+    def pins(self) -> dict[str, Request]:
+        """The pinned prefixes, by name."""
+        return self._run(self.core.pins())
 
     def _run(self, flow: Flow):
         """Run a flow that delivers no events; -> what it returns."""
@@ -130,7 +153,7 @@ class Handle:
     def stream(self, timeout: float | None = None) -> Iterator[Event]:
         """Every event of the request in seq order, each once, ending with the terminal one
         (see ProducerCore.stream for what it raises)."""
-        pubsub = self.producer.redis.pubsub()
+        pubsub = self.producer._listener.pubsub()
         try:
             yield from self.producer._drive(Steps(self.producer.core.stream(self.id, timeout)), pubsub)
         finally:

@@ -1,5 +1,5 @@
-"""What the producer does, once, for both clients: submit, cancel, stats and stream as
-sans-IO flows. A flow is a generator that yields what it needs done (`Call`: one pipelined
+"""What the producer does, once, for both clients: submit, cancel, stats, stream and the pinned
+prefixes as sans-IO flows. A flow is a generator that yields what it needs done (`Call`: one pipelined
 round trip of Redis commands; `Subscribe` / `Listen`: pub/sub; `Pause`; `Deliver`: events for
 the consumer) and is sent the reply; Redis errors are thrown into it, a lost connection as
 `Disconnected`. producer/client.py runs the flows on redis-py, producer/async_client.py on
@@ -7,8 +7,9 @@ redis.asyncio: only the awaits differ.
 
 A stream rides out a lost connection (a Redis restart): it retries, backing off, until its
 timeout, or for RECONNECT_PATIENCE_S without one, then raises Disconnected. Submit, cancel and
-stats raise Disconnected at once: a submit that failed so may or may not have enqueued, and
-submitting the same request id again is the safe retry.
+stats raise Disconnected at once. Submit retries by itself for SUBMIT_PATIENCE_S, knowing its
+own claim by a token, so it never enqueues twice; after it gives up, submitting the same
+request id again is the safe retry (it waits for a claim left mid-way to lapse, then takes it).
 
 How a stream misses nothing: SUBSCRIBE to the request's channel and wait for the server's
 confirmation, and only then read the replay stream from the start: every event published
@@ -29,6 +30,7 @@ exactly as long as its replay stream (the worker sets both TTLs in one script).
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +39,7 @@ import msgspec
 
 from producer.errors import Disconnected, EventsLost, ProtocolViolation, QueueFull, UnknownRequest
 from producer.protocol import (FIELD, GROUP, LANES, Event, Keys, Request, Submission, decode_event,
-                               decode_submission, encode)
+                               decode_request, decode_submission, encode)
 from producer.sequencer import EventSequencer
 from producer.stats import LaneStats, QueueStats, parse_heartbeat
 from producer.submission import choose_lane
@@ -46,6 +48,8 @@ from producer.submission import choose_lane
 # between taking the id and enqueueing frees it (and ends its consumers' streams) this soon.
 ENQUEUE_TTL_S = 10
 RECONNECT_PATIENCE_S = 60.0
+SUBMIT_PATIENCE_S = 10.0
+ENQUEUE_POLL_S = 0.2  # how often a submit of an id that another submit is enqueueing looks again
 RETRY_S, MAX_RETRY_S = 0.1, 2.0  # a stream's wait before it tries a lost connection again, doubling
 
 
@@ -121,26 +125,40 @@ class ProducerCore:
         self._grouped: set[str] = set()
 
     def submit(self, request: Request) -> Flow:
-        """-> (lane, duplicate). Takes the id (SET NX, short-lived), checks the backlog, then
-        enqueues and marks the id queued in one MULTI. Refused with QueueFull, it frees the id;
-        after a Redis error it cannot know whether the MULTI ran, so it leaves the short-lived
-        claim to expire rather than free an id that may be enqueued."""
+        """-> (lane, duplicate). Takes the id (SET NX, short-lived, with this call's token),
+        checks the backlog, then enqueues and marks the id queued in one MULTI. Refused with
+        QueueFull, it frees the id. A MULTI runs whole or not at all, so after a lost connection
+        the claim tells whether it ran: the next round finds it queued by us (done), still ours
+        (enqueue again) or lapsed (take it again)."""
         lane = choose_lane(request)
         stream = self.keys.requests(lane)
         yield from self._ensure_group(stream)
-        claim = self.keys.submitted(request.id)
-        earlier, backlog = yield Call((
-            command("set", claim, encode(Submission(lane, "enqueuing")), nx=True, get=True, ex=ENQUEUE_TTL_S),
-            command("xlen", stream)))
-        if earlier is not None:
-            return _submission(earlier, claim).lane, True
-        if backlog >= self.max_backlog:
-            yield Call((command("delete", claim),))
-            raise QueueFull(lane, backlog, self.max_backlog)
-        yield Call((command("xadd", stream, {FIELD: encode(request)}),
-                    command("set", claim, encode(Submission(lane)), xx=True, ex=self.claim_ttl)),
-                   transaction=True)
-        return lane, False
+        claim, token = self.keys.submitted(request.id), uuid.uuid4().hex
+        gives_up_at = time.monotonic() + SUBMIT_PATIENCE_S
+        while True:
+            earlier, backlog = yield from _patiently(Call((
+                command("set", claim, encode(Submission(lane, "enqueuing", by=token)), nx=True, get=True,
+                        ex=ENQUEUE_TTL_S),
+                command("xlen", stream))), Deadline(None, request.id), patience_s=SUBMIT_PATIENCE_S)
+            held = None if earlier is None else _submission(earlier, claim)
+            if held is not None and held.by != token:
+                if held.state == "enqueuing":  # another submit of this id, mid-way: it enqueues, or its claim lapses
+                    yield Pause(ENQUEUE_POLL_S)
+                    continue
+                return held.lane, True
+            if held is not None and held.state == "queued":
+                return lane, False  # our enqueue went through; only its reply was lost
+            if backlog >= self.max_backlog:
+                yield Call((command("delete", claim),))
+                raise QueueFull(lane, backlog, self.max_backlog)
+            try:
+                yield Call((command("xadd", stream, {FIELD: encode(request)}),
+                            command("set", claim, encode(Submission(lane, by=token)), xx=True, ex=self.claim_ttl)),
+                           transaction=True)
+                return lane, False
+            except Disconnected:
+                if time.monotonic() >= gives_up_at:
+                    raise
 
     def cancel(self, request_id: str) -> Flow:
         """A durable flag (checked by the worker every step) plus a nudge on the channel."""
@@ -171,6 +189,21 @@ class ProducerCore:
                    if value]  # an empty value: the heartbeat expired between the two reads
         [dead_letters] = yield Call((command("xlen", self.keys.dead_letters),))
         return QueueStats(lanes, workers, dead_letters=dead_letters)
+
+    def pin(self, prefix: Request) -> Flow:
+        """Publish a prefix for every worker to keep pinned, named by the request's id (Keys.pins);
+        a name pinned again gets the new prefix."""
+        yield Call((command("hset", self.keys.pins, prefix.id, encode(prefix)),))
+
+    def unpin(self, name: str) -> Flow:
+        """-> whether a prefix of that name was published."""
+        [removed] = yield Call((command("hdel", self.keys.pins, name),))
+        return bool(removed)
+
+    def pins(self) -> Flow:
+        """-> name -> the published prefix (a Request), by name."""
+        [published] = yield Call((command("hgetall", self.keys.pins),))
+        return {name.decode(): _pinned(value, name.decode()) for name, value in sorted(published.items())}
 
     def stream(self, request_id: str, timeout: float | None) -> Flow:
         """Every event of the request in seq order, each once, ending with the terminal one.
@@ -237,7 +270,8 @@ class SubmissionWatch:
         if replay_exists:
             return  # running (or finished), and its submission key outlived by a long run
         if events_seen:
-            raise EventsLost(f"the events of request {self.request_id} expired before it finished")
+            raise EventsLost(f"the events of request {self.request_id} are gone from Redis before it finished "
+                             "(expired, or lost with Redis's data)")
         if self.seen_enqueuing:
             raise UnknownRequest(f"request {self.request_id!r} was never enqueued: "
                                  "its producer stopped between taking the id and enqueueing it")
@@ -261,15 +295,16 @@ class Deadline:
         return min(interval, left)
 
 
-def _patiently(operation: Call | Subscribe, clock: Deadline) -> Flow:
-    """The operation's reply, trying again while the connection is lost (see the module docstring)."""
+def _patiently(operation: Call | Subscribe, clock: Deadline, patience_s: float = RECONNECT_PATIENCE_S) -> Flow:
+    """The reply of an operation that is safe to repeat, trying again while the connection is lost:
+    until the clock's end, or for `patience_s` without one (see the module docstring)."""
     delay, gave_up_at = RETRY_S, None
     while True:
         try:
             return (yield operation)
         except Disconnected:
             if clock.end is None:
-                gave_up_at = gave_up_at or time.monotonic() + RECONNECT_PATIENCE_S
+                gave_up_at = gave_up_at or time.monotonic() + patience_s
                 if time.monotonic() >= gave_up_at:
                     raise
             yield Pause(clock.wait(delay))
@@ -298,6 +333,13 @@ def _submission(data: bytes, where: str) -> Submission:
         return decode_submission(data)
     except msgspec.DecodeError as error:
         raise ProtocolViolation(f"undecodable submission of {where}: {error}") from None
+
+
+def _pinned(data: bytes, name: str) -> Request:
+    try:
+        return decode_request(data)
+    except msgspec.DecodeError as error:
+        raise ProtocolViolation(f"undecodable pin {name!r}: {error}") from None
 
 
 def _decoded(data: bytes | None, where: str) -> Event:

@@ -221,6 +221,7 @@ class Submission(msgspec.Struct, frozen=True, omit_defaults=True):
     lane: Lane
     state: SubmissionState = "queued"
     reason: str = ""
+    by: str = ""  # a token of the submit call that wrote it: a retry inside that call knows its own claim
 
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _event_decoder = msgspec.msgpack.Decoder(Event)
@@ -308,3 +309,9 @@ class Keys:
     @property
     def workers_pattern(self) -> str:
         return f"{self.prefix}:worker:*"
+
+    @property
+    def pins(self) -> str:
+        """Hash: the prefixes every worker keeps pinned, name -> an encoded Request whose prompt is
+        the prefix (its params unused). Workers read it every heartbeat."""
+        return f"{self.prefix}:pins"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from producer import AsyncProducer, EventsLost, Producer, UnknownRequest
+from producer import AsyncProducer, Disconnected, EventsLost, Producer, UnknownRequest
 from producer import core as producer_core
 from producer.core import Steps
 from producer.protocol import Keys, Request, Submission, encode
@@ -74,7 +74,8 @@ def test_a_request_whose_events_expire_before_it_finishes_ends_with_events_lost(
     expiry = threading.Timer(0.5, worker.redis.delete, [KEYS.replay("stalled"), KEYS.submitted("stalled")])
     expiry.start()
     message, took = raised_by(client, redis_url, "stalled", EventsLost)
-    assert message == "the events of request stalled expired before it finished" and took < 3
+    assert message == ("the events of request stalled are gone from Redis before it finished "
+                       "(expired, or lost with Redis's data)") and took < 3
 
 
 @CLIENTS
@@ -106,3 +107,44 @@ def test_a_queued_request_is_waited_for_and_a_finished_one_read_to_the_end(clien
     worker.emit("queued", token(0, "one "), token(1, "two "), done(2, completion_tokens=2))
     completion, _ = result_of(client, redis_url, "queued")
     assert completion.text == "one two " and completion.finish_reason == "stop"
+
+
+def run_submit(producer: Producer, request: Request, fail_after) -> tuple:
+    """Drive a submit flow, throwing Disconnected in place of the reply of each operation that
+    `fail_after(operation)` picks (which still reaches Redis, as when only its reply is lost)."""
+    steps = Steps(producer.core.submit(request))
+    operation = steps.next()
+    while operation is not None:
+        reply = producer._perform(operation, None)
+        operation = steps.next(error=Disconnected("reply lost")) if fail_after(operation) else steps.next(reply)
+    return steps.value
+
+
+def test_a_submit_whose_replies_are_lost_enqueues_exactly_once(redis_url):
+    lost = {"set": 1, "xadd": 1}  # the claim's reply, then the MULTI's: both ran on the server
+
+    def fail_after(operation) -> bool:
+        name = operation.commands[0].name if hasattr(operation, "commands") else ""
+        if lost.get(name):
+            lost[name] -= 1
+            return True
+        return False
+
+    with Producer(redis_url) as producer:
+        assert run_submit(producer, Request(id="lossy", prompt="x"), fail_after) == ("normal", False)
+        assert producer.redis.xlen(KEYS.requests("normal")) == 1
+        assert producer.submit("x", request_id="lossy").duplicate  # taken, and queued
+
+
+def test_a_second_submit_of_an_id_left_mid_way_waits_for_the_claim_to_lapse_and_takes_it(redis_url, monkeypatch):
+    monkeypatch.setattr(producer_core, "ENQUEUE_TTL_S", 1)
+    with Producer(redis_url) as producer:
+        dying = Steps(producer.core.submit(Request(id="retried", prompt="x")))
+        operation = dying.next()
+        while "enqueuing" not in repr(operation):
+            operation = dying.next(producer._perform(operation, None))
+        producer._perform(operation, None)  # took the id, never enqueued
+        started = time.monotonic()
+        handle = producer.submit("x", request_id="retried")  # the caller's retry
+        assert not handle.duplicate and 0.5 < time.monotonic() - started < 3
+        assert producer.redis.xlen(KEYS.requests(handle.lane)) == 1
