@@ -91,9 +91,7 @@ def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise DemoError("redis-server is not installed: run `make setup` (Debian package redis-server)")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     private = f"redis://127.0.0.1:{port}/0"
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no", "--dir", str(scratch)],
@@ -110,6 +108,13 @@ def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
         yield private
     finally:
         _stop(process, grace=10)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
     python -m producer submit "Why is the sky blue?" --chat --stream --max-tokens 64
     python -m producer submit "The sky is" --stream --max-tokens 8 --logprobs 3
     python -m producer result ID          python -m producer stats
+    python -m producer pin support-bot --system "You are a support agent."    (unpin NAME, pins)
 
 Text goes to stdout as it arrives (pipe-friendly); ids, summaries, logprobs and errors go
 to stderr. Exit status: 0 done, 1 the request ended in an error or the producer refused /
@@ -79,7 +80,38 @@ def _parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", help="lane backlogs, pending, live workers, dead letters")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(run=_stats)
+
+    pin = commands.add_parser("pin", help="have every worker keep a prefix in its KV cache, never evicted")
+    pin.add_argument("name", help="names the pin (letters, digits, _ and -); pinning it again replaces it")
+    prefix = pin.add_mutually_exclusive_group(required=True)
+    prefix.add_argument("--text", help="a text prefix, tokenized as a prompt is")
+    prefix.add_argument("--system", metavar="TEXT",
+                        help="a system prompt, rendered with the chat template as chat requests that start with it are")
+    prefix.add_argument("--messages", type=_messages, metavar="JSON",
+                        help="the leading messages of chat requests, as a JSON list of {role, content}")
+    prefix.add_argument("--ids", type=_token_ids, metavar="ID,ID,...", help="token ids, comma-separated")
+    pin.set_defaults(run=_pin)
+    unpin = commands.add_parser("unpin", help="let a pinned prefix be evicted again")
+    unpin.add_argument("name")
+    unpin.set_defaults(run=_unpin)
+    pins = commands.add_parser("pins", help="the pinned prefixes")
+    pins.add_argument("--json", action="store_true")
+    pins.set_defaults(run=_pins)
     return parser
+
+
+def _messages(value: str) -> list[dict]:
+    try:
+        return msgspec.json.decode(value)
+    except msgspec.DecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+
+
+def _token_ids(value: str) -> list[int]:
+    try:
+        return [int(token) for token in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {value!r:.80}") from None
 
 
 def _submit(producer: Producer, args, errors: Console) -> int:
@@ -203,6 +235,45 @@ def _stats(producer: Producer, args, errors: Console) -> int:
             out.print(f"{escape(worker.name)} is starting: {escape(worker.phase)}")
     out.print(f"dead letters: {stats.dead_letters}")
     return 0
+
+
+def _pin(producer: Producer, args, errors: Console) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else args.messages
+    producer.pin(args.name, args.text, messages=messages, prompt_ids=args.ids)
+    errors.print(f"pinned {escape(args.name)}: every worker applies it within a heartbeat")
+    return 0
+
+
+def _unpin(producer: Producer, args, errors: Console) -> int:
+    if not producer.unpin(args.name):
+        errors.print(f"[red]error:[/] no prefix named {escape(args.name)} is pinned")
+        return 1
+    errors.print(f"unpinned {escape(args.name)}")
+    return 0
+
+
+def _pins(producer: Producer, args, errors: Console) -> int:
+    pins = producer.pins()
+    if args.json:
+        print(msgspec.json.encode({name: _pinned_prefix(request) for name, request in pins.items()}).decode())
+        return 0
+    if not pins:
+        errors.print("no pinned prefixes")
+        return 0
+    table = Table("name", "kind", "prefix", title="pinned prefixes")
+    for name, request in pins.items():
+        kind, prefix = next(iter(_pinned_prefix(request).items()))
+        shown = (f"{len(prefix)} token ids" if kind == "prompt_ids" else
+                 f"{len(prefix)} messages: {prefix[0]['content']}" if kind == "messages" else prefix)
+        table.add_row(escape(name), kind, escape(shown if len(shown) <= 80 else shown[:77] + "..."))
+    Console(highlight=False).print(table)
+    return 0
+
+
+def _pinned_prefix(request) -> dict:
+    """The one prompt field of a published pin: {"prompt": ...}, {"messages": ...} or {"prompt_ids": ...}."""
+    return {name: value for name, value in msgspec.to_builtins(request).items()
+            if name in ("prompt", "messages", "prompt_ids")}
 
 
 def _show(value, style: str = "{}") -> str:

@@ -28,6 +28,19 @@ def one_thread():
 
 
 @pytest.fixture
+def cli(redis_url, capsys):
+    """`cli(*argv)` runs `python -m producer --redis-url <the test's Redis> *argv` in-process;
+    -> (exit status, stdout, stderr)."""
+    from producer.cli import main
+
+    def run(*argv):
+        status = main(["--redis-url", redis_url, *argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+    return run
+
+
+@pytest.fixture
 def launch():
     """`launch(command, log_path)` starts a process from the repository root, its output in the
     log; any still running when the test ends is killed."""

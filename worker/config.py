@@ -42,6 +42,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     replay_maxlen: int = 10_000
     replay_ttl: int = 600
     dead_letter_ttl: int = 7 * 24 * 3600
+    pin_prefix: list[str] = msgspec.field(default_factory=list)  # text prefixes kept in the KV cache
 
     def __post_init__(self) -> None:
         checks = [
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, description in WORKER_FLAGS.items():
         default = defaults[name] if name != "name" else None
         parser.add_argument(flag(name), help=description + (f" (default {default})" if default is not None else ""))
+    parser.add_argument(flag("pin_prefix"), action="append", metavar="TEXT",
+                        help="keep this text prefix (tokenized as a prompt is) in the KV cache, never evicted; "
+                             "repeatable, one from the variable. Pins for every worker, chat system prompts "
+                             "included: `python -m producer pin`")
     engine = parser.add_argument_group("engine options (see worker/engine/config.py)")
     for name, field in ENGINE_OPTIONS.items():
         action = argparse.BooleanOptionalAction if field.type is bool else "store"
@@ -123,6 +128,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     raw: dict[str, Any] = {}
     for name, value in flags.items():
         value = value if value is not None else environ.get(ENV_PREFIX + name.upper())
+        if name == "pin_prefix" and isinstance(value, str):
+            value = [value]  # the variable holds one pin
         if value is not None:
             raw[name] = value
     model = raw.pop("model", DEFAULT_MODEL)

@@ -130,6 +130,7 @@ class Metrics:
         self.running = gauge("num_requests_running", "Requests running in the engine.", ("lane",))
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the engine.", ("lane",))
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1).")
+        self.pinned_blocks = gauge("pinned_kv_blocks", "KV blocks of pinned prefixes resident (computed) now.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")

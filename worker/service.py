@@ -3,7 +3,8 @@
 One `poll()` is one turn:
   1. housekeeping when due: refresh our entries (dropping those another worker took), sweep
      the cancel keys, take back our own entries that we dropped, reclaim idle entries of dead
-     workers, beat; now and then delete dead consumers and trim old dead letters;
+     workers, apply the pinned prefixes, beat; now and then delete dead consumers and trim old
+     dead letters;
   2. cancellations nudged on the cancel channel;
   3. intake, as much as the backpressure rule allows (a blocking read only when idle);
   4. deadlines of requests not started yet, then one engine step;
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import redis
 import structlog
 
-from producer.protocol import LANES, Keys, Request, connection_options
+from producer.protocol import LANES, Keys, Request, connection_options, decode_request, encode
 from worker.cancels import Cancels
 from worker.claims import Claim, Claims
 from worker.config import WorkerConfig
@@ -69,6 +71,10 @@ class Worker:
         self.step_watch = StepWatch(config.heartbeat_interval, self.keep_alive, self.log)
         self.intake.ensure_groups()
         self.lanes = {self.keys.requests(lane): lane for lane in LANES}
+        # Pinned prefixes, by name: this worker's own (--pin-prefix) and those published in Redis.
+        self.own_pins = {f"--pin-prefix:{i + 1}": encode(Request(prompt=text))
+                         for i, text in enumerate(config.pin_prefix)}
+        self.pins_seen: dict[str, bytes] = {}  # name -> the value applied (or refused) last
         self.flights: dict[str, Flight] = {}
         self.next_housekeeping = 0.0
         self.housekeeping_rounds = 0
@@ -153,12 +159,38 @@ class Worker:
                 self.metrics.reclaimed.inc(len(reclaimed))
                 self.log.info("worker.reclaimed", entries=[entry.entry_id for entry in reclaimed])
                 self.take(reclaimed)
+        self.apply_pins()
         self.heartbeat.beat(self.engine, len(self.flights), self.generated, draining=self.drain_until is not None)
         if self.housekeeping_rounds % SWEEP_BEATS == 0:
             deleted = self.claims.sweep(self.config.dead_letter_ttl)
             if deleted:
                 self.log.info("worker.deleted_dead_consumers", consumers=deleted)
         self.housekeeping_rounds += 1
+
+    def apply_pins(self) -> None:
+        """Make the engine's pins this worker's own plus those published (`Keys.pins`): a pin that
+        went or changed is unpinned, a new one pinned. One that cannot be is logged once, and tried
+        again when another pin makes room or its value changes."""
+        published = {name.decode(): value for name, value in self.client.hgetall(self.keys.pins).items()}
+        wanted = published | self.own_pins
+        gone = [name for name, value in self.pins_seen.items() if wanted.get(name) != value]
+        for name in gone:
+            if self.engine.unpin(name):
+                self.log.info("pin.removed", pin=name)
+            del self.pins_seen[name]
+        if gone:
+            self.pins_seen = {name: value for name, value in self.pins_seen.items() if name in self.engine.pins}
+        for name, value in wanted.items():
+            if name in self.pins_seen:
+                continue
+            self.pins_seen[name] = value
+            try:
+                blocks = self.engine.pin(name, **engine_prompt(decode_request(value)))
+            except (msgspec.DecodeError, ValueError) as error:  # PromptError included
+                self.log.warning("pin.refused", pin=name, reason=str(error))
+            else:
+                self.log.info("pin.applied", pin=name, blocks=blocks)
+        self.metrics.pinned_blocks.set(self.engine.pool.num_pinned_blocks)
 
     def keep_alive(self, flights: list[Flight]) -> None:
         """During a long step (StepWatch's thread): refresh the step's claims, extend the heartbeat."""

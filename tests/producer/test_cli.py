@@ -13,15 +13,6 @@ from tests.producer.fake_worker import FakeWorker, done, error, running, token
 KEYS = Keys("sb")
 
 
-@pytest.fixture
-def cli(redis_url, capsys):
-    def run(*argv):
-        status = main(["--redis-url", redis_url, *argv])
-        out, err = capsys.readouterr()
-        return status, out, err
-    return run
-
-
 def test_submit_prints_the_id_and_enqueues_with_the_flags(cli, redis_url):
     status, out, _ = cli("submit", "hello world", "--max-tokens", "12", "--temperature", "0",
                          "--seed", "5", "--id", "cli-1")

@@ -9,7 +9,6 @@ import json
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,22 +20,19 @@ from pathlib import Path
 
 import redis
 
+from ops.demo import free_port
+from ops.soak import rss_kib
 from producer import Producer
 from producer.errors import EventsLost, ProtocolViolation, QueueFull, UnknownRequest
-from producer.protocol import FIELD, GROUP, LANES, TERMINAL, DoneEvent, Event, SamplingParams, decode_event, \
-    decode_request
+from producer.protocol import (FIELD, GROUP, LANES, TERMINAL, DoneEvent, Event, SamplingParams, TokenEvent,
+                               decode_event, decode_request)
 
 from .conftest import KEYS, MODEL, NUM_BLOCKS, offline, tokens_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RETRY_S = 0.1  # a client's pause before it tries Redis again
+LATE_CONSUMERS = 8  # threads that stream the requests not followed live, once the load stops
 SYSTEM_PROMPTS = [[(7 * i + 11 * k) % 480 + 2 for k in range(length)] for i, length in enumerate((32, 48, 40))]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for(condition: Callable[[], object], timeout: float, message: str) -> object:
@@ -47,18 +43,10 @@ def wait_for(condition: Callable[[], object], timeout: float, message: str) -> o
     return value
 
 
-def rss_kb(pid: int) -> int:
-    """Resident memory of a process (VmRSS), in KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise ValueError(f"no VmRSS for pid {pid}")
-
-
 # --- Redis ---------------------------------------------------------------------------------
 class RedisServer:
     """A redis-server of one test's own with its AOF on (appendfsync everysec), restartable on the
-    same port and directory: a SIGTERM writes the AOF out, a SIGKILL loses up to ~1 s of writes."""
+    same port and directory: a SIGTERM writes the AOF out; crash() loses the last writes."""
 
     def __init__(self, workdir: Path) -> None:
         self.binary = shutil.which("redis-server")
@@ -90,6 +78,27 @@ class RedisServer:
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
         self.process.send_signal(sig)
         self.process.wait(timeout=30)
+
+    def aof_size(self) -> int:
+        return self.incremental_aof().stat().st_size
+
+    def crash(self, aof_size: int) -> int:
+        """SIGKILL it and cut its AOF back to `aof_size` (taken a moment before): what appendfsync
+        everysec may lose when the machine goes down (a killed process alone loses nothing: its
+        writes are in the page cache by then). -> bytes of AOF cut."""
+        self.stop(signal.SIGKILL)
+        aof = self.incremental_aof()
+        cut = aof.stat().st_size - aof_size
+        with aof.open("r+b") as file:
+            file.truncate(aof_size)  # a command cut in half is dropped at load (aof-load-truncated)
+        return cut
+
+    def incremental_aof(self) -> Path:
+        """The multi-part AOF's file that takes new writes (Redis 7)."""
+        manifest = (self.workdir / "appendonlydir").glob("*.manifest")
+        lines = next(manifest).read_text().splitlines()
+        name = [line.split()[1] for line in lines if line.split()[-1] == "i"][-1]
+        return self.workdir / "appendonlydir" / name
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url)
@@ -147,8 +156,8 @@ class Workers:
         names = list(names)
         wait_for(lambda: all(self.ready(name) for name in names), timeout, f"workers {names} did not start")
 
-    def rss_kb(self, name: str) -> int:
-        return rss_kb(self.processes[name].pid)
+    def rss_kib(self, name: str) -> int:
+        return rss_kib(self.processes[name].pid)
 
     def alive(self) -> dict[str, bool]:
         return {name: process.poll() is None for name, process in self.processes.items()}
@@ -180,6 +189,26 @@ def in_flight(client: redis.Redis, active_ms: int = 1000) -> dict[str, list[str]
                 if events and not isinstance(events[-1], TERMINAL):
                     held[entry["consumer"].decode()].append(request_id)
     return held
+
+
+def token_times(client: redis.Redis, request_ids: Iterable[str]) -> list[tuple[int, int]]:
+    """(Redis server ms of the write, tokens) of every token event of these requests, from the
+    ids of their replay-stream entries: what the workers served, as Redis clocked it."""
+    pipe = client.pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.xrange(KEYS.replay(request_id))
+    times = []
+    for entries in pipe.execute():
+        for entry_id, fields in entries:
+            event = decode_event(fields[FIELD])
+            if isinstance(event, TokenEvent):
+                times.append((int(entry_id.split(b"-")[0]), len(event.ids)))
+    return times
+
+
+def server_ms(client: redis.Redis) -> int:
+    seconds, microseconds = client.time()
+    return seconds * 1000 + microseconds // 1000
 
 
 def replay(client: redis.Redis, request_id: str) -> list[Event]:
@@ -243,11 +272,10 @@ class Followed:
     than one when a Redis error broke a stream and the consumer streamed again)."""
 
     spec: Spec
-    submitted_at: float = 0.0  # monotonic
     refused: bool = False  # QueueFull at submit
     submit_errors: list[str] = field(default_factory=list)
     streams: list[list[Event]] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)  # monotonic time of each token event of the last stream
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, tokens) per token event
     stream_errors: list[str] = field(default_factory=list)  # Redis errors that broke a stream
     end: str | None = None  # "done", or the error that ended the consumer
     end_message: str = ""
@@ -263,17 +291,21 @@ class Followed:
 
 
 class Load:
-    """Submits specs at `rate` per second through one Producer, each with a consumer thread that
-    follows it live with stream() (streaming again after a Redis error, as a reconnecting consumer
-    does). A submit that meets a Redis error is retried with the same id (idempotent)."""
+    """Submits specs at `rate` per second through one Producer. Every `live_every`-th accepted
+    request gets a consumer thread that follows it live with stream() (streaming again after a
+    Redis error, as a reconnecting consumer does; every `slow_every`-th of them sleeps
+    `slow_consumer_s` after each event); the others are streamed late, once the load stops. A
+    submit that meets a Redis error is retried with the same id (idempotent)."""
 
     def __init__(self, url: str, specs: Iterator[Spec], rate: float, stream_timeout: float = 120,
-                 max_backlog: int = 10_000, slow_consumer_s: float = 0.0, slow_every: int = 0) -> None:
+                 max_backlog: int = 10_000, live_every: int = 1, slow_consumer_s: float = 0.0,
+                 slow_every: int = 0) -> None:
         self.producer = Producer(url, max_backlog=max_backlog)
         self.specs, self.rate, self.stream_timeout = specs, rate, stream_timeout
-        self.slow_consumer_s, self.slow_every = slow_consumer_s, slow_every
+        self.live_every, self.slow_consumer_s, self.slow_every = live_every, slow_consumer_s, slow_every
         self.followed: list[Followed] = []
         self.consumers: list[threading.Thread] = []
+        self.late: list[Followed] = []  # accepted, streamed once the load stops
         self.stopping = threading.Event()
         self.following, self.peak_following = 0, 0  # consumers streaming now, and at most
         self.lock = threading.Lock()
@@ -283,13 +315,16 @@ class Load:
         self.submitter.start()
         return self
 
-    def set_rate(self, rate: float) -> None:
-        self.rate = rate
+    def wait_submitted(self) -> None:
+        """Until a finite `specs` is all submitted."""
+        self.submitter.join()
 
     def stop(self, timeout: float) -> None:
-        """Stop submitting, then wait for every consumer to end."""
+        """Stop submitting, stream the late ones, and wait for every consumer to end."""
         self.stopping.set()
         self.submitter.join()
+        for start in range(LATE_CONSUMERS):
+            self._consume(self.late[start::LATE_CONSUMERS], 0.0, f"late-{start}")
         deadline = time.monotonic() + timeout
         for consumer in self.consumers:
             consumer.join(max(0.0, deadline - time.monotonic()))
@@ -301,7 +336,7 @@ class Load:
         return [followed for followed in self.followed if not followed.refused]
 
     def _submit_all(self) -> None:
-        next_at = time.monotonic()
+        next_at, accepted = time.monotonic(), 0
         for spec in self.specs:
             if self.stopping.is_set():
                 return
@@ -309,18 +344,28 @@ class Load:
             next_at = max(next_at + 1 / self.rate, time.monotonic() - 1)  # no burst after a stall
             followed = Followed(spec)
             self.followed.append(followed)
-            if self._submit(followed):
-                slow = self.slow_every and len(self.followed) % self.slow_every == 0
-                consumer = threading.Thread(target=self._follow, args=(followed, self.slow_consumer_s if slow else 0),
-                                            name=spec.request_id, daemon=True)
-                self.consumers.append(consumer)
-                consumer.start()
+            if not self._submit(followed):
+                continue
+            accepted += 1
+            if accepted % self.live_every:
+                self.late.append(followed)
+                continue
+            slow = self.slow_every and (accepted // self.live_every) % self.slow_every == 0
+            self._consume([followed], self.slow_consumer_s if slow else 0.0, spec.request_id)
+
+    def _consume(self, followed: list[Followed], pause_s: float, name: str) -> None:
+        def run() -> None:
+            for one in followed:
+                self._follow(one, pause_s)
+
+        consumer = threading.Thread(target=run, name=name, daemon=True)
+        self.consumers.append(consumer)
+        consumer.start()
 
     def _submit(self, followed: Followed) -> bool:
         spec = followed.spec
         while True:
             try:
-                followed.submitted_at = time.monotonic()
                 deadline = None if spec.deadline_s is None else time.time() + spec.deadline_s
                 self.producer.submit(prompt_ids=spec.prompt_ids, params=spec.params, request_id=spec.request_id,
                                      deadline=deadline)
@@ -352,7 +397,7 @@ class Load:
                 for event in self.producer.stream(followed.spec.request_id, max(0.1, ends_at - time.monotonic())):
                     events.append(event)
                     if not isinstance(event, TERMINAL):
-                        followed.arrivals.append(time.monotonic())
+                        followed.arrivals.append((time.monotonic(), len(event.ids)))
                     time.sleep(pause_s)
                 followed.end = "done"
                 return
@@ -397,9 +442,10 @@ def check(client: redis.Redis, load: Load, expected: dict[str, list[int]], produ
           allowed_ends: tuple[str, ...] = ("done",)) -> Findings:
     """Every accepted request: its consumer saw seq 0..n once each, in order, one terminal and
     last; every stream a Redis error broke is a prefix of the last; the tokens equal the
-    undisturbed run; the replay stream holds each seq once, with attempts that never go back,
-    and exactly what the consumer saw; a late result() agrees. `allowed_ends`: how a consumer may
-    end besides completing (after a SIGKILL of Redis: EventsLost, UnknownRequest)."""
+    undisturbed run (for the requests in `expected`); the replay stream holds each seq once, with
+    attempts that never go back, and what the consumer saw; with `producer`, a late result()
+    agrees. `allowed_ends`: how a consumer may end besides completing (after Redis lost writes:
+    EventsLost, UnknownRequest); those are listed as "allowed: ..." and not counted as losses."""
     findings = Findings(requests=len(load.followed))
     for followed in load.followed:
         request_id = followed.spec.request_id
@@ -408,12 +454,10 @@ def check(client: redis.Redis, load: Load, expected: dict[str, list[int]], produ
         if followed.refused:
             findings.refused += 1
             continue
-        if followed.end != "done":
-            kind = "losses" if followed.end not in allowed_ends else None
-            if kind:
-                findings.problem(kind, request_id, f"consumer ended with {followed.end}: {followed.end_message}")
-            else:
-                findings.problems.append(f"allowed: {request_id}: {followed.end}: {followed.end_message}")
+        if followed.end in allowed_ends and followed.end != "done":
+            findings.problems.append(f"allowed: {request_id}: {followed.end}: {followed.end_message}")
+        elif followed.end != "done":
+            findings.problem("losses", request_id, f"consumer ended with {followed.end}: {followed.end_message}")
         events = followed.events
         for seen in followed.streams:
             seqs = [event.seq for event in seen]
@@ -424,20 +468,27 @@ def check(client: redis.Redis, load: Load, expected: dict[str, list[int]], produ
             if any(isinstance(event, TERMINAL) for event in seen[:-1]):
                 findings.problem("duplicates", request_id, "an event after the terminal one")
         for broken in followed.streams[:-1]:
-            if broken != events[:len(broken)]:
+            if list(map(content, broken)) != list(map(content, events[:len(broken)])):
                 findings.problem("mismatches", request_id, "a broken stream is not a prefix of the last one")
         if followed.end != "done":
             continue
         findings.completed += 1
         stored = replay(client, request_id)
+        if not stored and "UnknownRequest" in allowed_ends:
+            findings.problems.append(f"allowed: {request_id}: gone from Redis after its consumer saw it complete")
+            continue
         seqs = [event.seq for event in stored]
         if len(set(seqs)) != len(seqs):
             findings.problem("duplicates", request_id, f"replay stream holds seqs {seqs}")
         attempts = [event.attempt for event in stored]
         if attempts != sorted(attempts):
             findings.problem("mismatches", request_id, f"attempts go back in the replay stream: {attempts}")
-        if stored != events:
-            findings.problem("mismatches", request_id, "the replay stream differs from what the consumer saw")
+        if list(map(content, stored)) != list(map(content, events)):
+            differs = next((at for at, (a, b) in enumerate(zip(stored, events)) if content(a) != content(b)),
+                           min(len(stored), len(events)))
+            findings.problem("mismatches", request_id, f"the replay stream ({len(stored)} events, attempts "
+                             f"{sorted(set(attempts))}) differs from what the consumer saw ({len(events)} events, "
+                             f"attempts {sorted({event.attempt for event in events})}) from seq {differs} on")
         if events[-1].attempt > events[0].attempt:
             findings.resumed += 1
         if followed.finish_reason == "deadline":
@@ -449,16 +500,33 @@ def check(client: redis.Redis, load: Load, expected: dict[str, list[int]], produ
             findings.problem("losses", request_id, f"finished with {followed.finish_reason}: {events[-1]}")
             continue
         tokens = tokens_of(events)
-        if followed.spec.reproducible:
+        if followed.spec.reproducible and request_id in expected:  # `expected` may hold a sample
             findings.tokens_checked += len(tokens)
             if tokens != expected[request_id]:
                 findings.problem("mismatches", request_id, f"tokens {tokens[:8]}... differ from the undisturbed "
                                                            f"{expected[request_id][:8]}...")
         if producer is not None:
-            late = producer.result(request_id, timeout=10)
+            try:
+                late = producer.result(request_id, timeout=10)
+            except (EventsLost, UnknownRequest, TimeoutError) as error:
+                if type(error).__name__ in allowed_ends:
+                    findings.problems.append(f"allowed: {request_id}: a late result(): {type(error).__name__}: {error}")
+                else:
+                    findings.problem("losses", request_id, f"a late result(): {type(error).__name__}: {error}")
+                continue
             if late.token_ids != tokens or late.finish_reason != followed.finish_reason:
                 findings.problem("mismatches", request_id, "a late result() differs from the live stream")
     return findings
+
+
+def content(event: Event) -> tuple:
+    """What an event says, without who wrote it or when: a request re-run after Redis lost its
+    last writes rewrites the same content with another attempt and other timings."""
+    if isinstance(event, TokenEvent):
+        return event.seq, "token", tuple(event.ids)
+    if isinstance(event, DoneEvent):
+        return event.seq, "done", event.finish_reason, event.usage.completion_tokens
+    return event.seq, "error", event.code
 
 
 def dead_letters(client: redis.Redis) -> list[dict]:

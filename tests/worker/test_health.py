@@ -61,17 +61,17 @@ def stalled() -> Health:
     return Health("ready", last_turn=time.monotonic() - STALLED_AFTER_S - 100)
 
 
-@pytest.mark.parametrize("health, healthz, readyz", [
-    (Health(), (200, {"alive": True, "state": "starting"}),
+@pytest.mark.parametrize("health, healthz, readyz", [  # each made when the test runs: a turn just now
+    (lambda: Health(), (200, {"alive": True, "state": "starting"}),
      (503, {"ready": False, "state": "starting", "reason": STARTING})),
-    (Health("ready", last_turn=time.monotonic()), ALIVE, READY),
-    (Health("ready", last_turn=time.monotonic(), redis_error="Connection refused"), ALIVE,
+    (lambda: Health("ready", last_turn=time.monotonic()), ALIVE, READY),
+    (lambda: Health("ready", last_turn=time.monotonic(), redis_error="Connection refused"), ALIVE,
      (503, {"ready": False, "state": "ready", "reason": "Redis unreachable: Connection refused"})),
-    (Health("draining", last_turn=time.monotonic()), (200, {"alive": True, "state": "draining"}),
+    (lambda: Health("draining", last_turn=time.monotonic()), (200, {"alive": True, "state": "draining"}),
      (503, {"ready": False, "state": "draining", "reason": DRAINING})),
 ], ids=["starting", "ready", "redis unreachable", "draining"])
 def test_each_state_answers_its_status_and_body_and_the_ready_gauge_agrees(health, healthz, readyz):
-    metrics = Metrics(health)
+    metrics = Metrics(health())
     server = metrics.serve(0)
     try:
         assert checks(server.server_port) == (healthz, readyz)

@@ -208,6 +208,16 @@ class BlockPool:
         block.pinned = True
         self._ref(block)
 
+    def blocks_pinned_with(self, token_ids: list[int]) -> int:
+        """Blocks the pins would hold once computed, were this prefix pinned too (a head that
+        pins share counts once)."""
+        return len(self.pinned_hashes.keys() | set(self._prefix_hashes(token_ids)))
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Pinned blocks resident now: a pinned prefix's blocks count once computed."""
+        return sum(1 for block_hash in self.pinned_hashes if block_hash in self.cached)
+
     # --- accounting --------------------------------------------------------------------
     def stats(self, sequences: Iterable[Sequence] = ()) -> BlockStats:
         """Counts by state; `sequences` (the running ones) give the KV fill. Only full,

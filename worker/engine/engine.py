@@ -12,6 +12,9 @@ until it reports a token past the point where it failed (then its count is clear
 step during a probation counts against the suspect alone. So a poison request is soon the only
 one blamed, and once in `max_step_failures` failed steps it is ended with an error
 (`RequestOutput.poisoned`) while everyone else is served, their tokens as if nothing happened.
+
+Pinned prefixes (`pin` / `unpin`, by name) keep a prefix's whole KV blocks resident once a
+request has computed them; the fresh pool of a recovery pins them again.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.num_blocks = config.num_blocks or num_blocks_for_memory(config.kv_cache_memory, self.info,
                                                                      config.block_size)
+        self.pins: dict[str, list[int]] = {}  # name -> the pinned prefix's token ids, whole blocks
         self._new_scheduler()
         self.runner = ModelRunner(model, self.info, self.num_blocks, config.block_size, config.device,
                                   config.compile, on_phase)
@@ -85,6 +89,8 @@ class Engine:
         self.pool = BlockPool(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         scheduler_config = msgspec.structs.replace(self.config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.pool)
+        for token_ids in self.pins.values():
+            self.pool.pin_prefix(token_ids)
 
     # --- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, *, prompt: str | None = None, messages: list[dict] | None = None,
@@ -129,6 +135,47 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    # --- pinned prefixes ---------------------------------------------------------------
+    def pin(self, name: str, *, prompt: str | None = None, messages: list[dict] | None = None,
+            prompt_ids: list[int] | None = None) -> int:
+        """Keep a prefix resident: its whole blocks, once computed (by the next request that
+        starts with it, or at once if cached now), are never evicted until `unpin(name)`. The
+        prefix is tokenized as a request's prompt is, except that `messages` are rendered without
+        the generation prompt: the head of every conversation that goes on from them. Returns the
+        blocks it covers. Raises ValueError (PromptError for a prompt that cannot be encoded) when
+        it shares no whole block, or when the pins would leave less than the longest request
+        needs: pinned blocks are never free, and a request that cannot fit would wait for ever."""
+        if name in self.pins:
+            raise ValueError(f"a prefix named {name!r} is already pinned")
+        if (prompt is not None or messages is not None) and self.tokenizer is None:
+            raise PromptError("this model has no tokenizer: give prompt_ids")
+        token_ids = encode_prompt(self.tokenizer, prompt=prompt, messages=messages, prompt_ids=prompt_ids,
+                                  max_prompt_tokens=self.max_model_len, vocab_size=self.info.vocab_size,
+                                  add_generation_prompt=False)
+        size = self.pool.block_size
+        token_ids = token_ids[:len(token_ids) // size * size]  # only whole blocks are ever shared
+        if not token_ids:
+            raise ValueError(f"prefix {name!r} is shorter than one KV block ({size} tokens): nothing to pin")
+        pinned = self.pool.blocks_pinned_with(token_ids)
+        room = self.pool.num_blocks - self.pool.blocks_for(self.max_model_len)
+        if pinned > room:
+            raise ValueError(
+                f"prefix {name!r} ({len(token_ids) // size} blocks) does not fit: the pins would hold {pinned} "
+                f"of the {self.pool.num_blocks} KV blocks, and a request of the model length "
+                f"({self.max_model_len} tokens) needs {self.pool.blocks_for(self.max_model_len)} of the rest; "
+                f"at most {max(room, 0)} blocks can be pinned (a larger pool or a lower max_model_len makes room)")
+        self.pool.pin_prefix(token_ids)
+        self.pins[name] = token_ids
+        return len(token_ids) // size
+
+    def unpin(self, name: str) -> bool:
+        """Let a pinned prefix's blocks be evicted again; False if nothing is pinned by that name."""
+        token_ids = self.pins.pop(name, None)
+        if token_ids is None:
+            return False
+        self.pool.unpin_prefix(token_ids)
+        return True
 
     # --- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

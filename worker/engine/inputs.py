@@ -2,8 +2,10 @@
 
 A request brings exactly one of: `prompt` (plain text), `messages` (chat, rendered with
 the tokenizer's chat template plus the assistant generation prompt) or `prompt_ids`
-(already tokenized). Anything wrong raises PromptError, which callers turn into an
-`error` event with the message as the reason.
+(already tokenized). A pinned prefix (Engine.pin) is encoded here too, its messages
+without the generation prompt: the head of every conversation that goes on from them.
+Anything wrong raises PromptError, which callers turn into an `error` event with the
+message as the reason.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def encode_prompt(
     max_prompt_tokens: int,
     truncate: Literal["reject", "left"] = "reject",
     vocab_size: int | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids for the one input given, at most `max_prompt_tokens` long.
 
@@ -52,7 +55,7 @@ def encode_prompt(
             raise PromptError("prompt is empty")
         ids = list(tokenizer.encode(prompt))
     elif messages is not None:
-        ids = _encode_messages(tokenizer, messages)
+        ids = _encode_messages(tokenizer, messages, add_generation_prompt)
     else:
         ids = _check_ids(prompt_ids, len(tokenizer) if vocab_size is None else vocab_size)
     if not ids:
@@ -66,7 +69,7 @@ def encode_prompt(
     return ids
 
 
-def _encode_messages(tokenizer: Any, messages: Any) -> list[int]:
+def _encode_messages(tokenizer: Any, messages: Any, add_generation_prompt: bool) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise PromptError("messages must be a non-empty list")
     for i, message in enumerate(messages):
@@ -84,7 +87,8 @@ def _encode_messages(tokenizer: Any, messages: Any) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("this model's tokenizer has no chat template; send prompt or prompt_ids")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt)
     except Exception as error:  # a template may raise on a role order it does not support
         raise PromptError(f"chat template rejected the messages: {error}") from error
     # The rendered text already holds the template's special tokens (BOS, role markers);

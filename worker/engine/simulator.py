@@ -20,6 +20,11 @@ from worker.engine.scheduler_config import SchedulerConfig
 from worker.engine.sequence import Sequence
 
 
+def kv_reads(plan: StepPlan) -> int:
+    """KV tokens attention reads in the step: each scheduled sequence's context after it."""
+    return sum(seq.num_computed_tokens + n for seq, n in plan.scheduled.items())
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Step time = fixed + per computed token + per KV token read by attention.
@@ -30,8 +35,11 @@ class CostModel:
     per_kv_read_s: float = 0.00000004
 
     def step_time(self, plan: StepPlan) -> float:
-        kv_reads = sum(seq.num_computed_tokens + n for seq, n in plan.scheduled.items())
-        return self.fixed_s + self.per_token_s * plan.num_tokens + self.per_kv_read_s * kv_reads
+        return self.time_of(plan.num_tokens, kv_reads(plan))
+
+    def time_of(self, num_tokens: int, kv_reads: int) -> float:
+        """A step's time from its shape: tokens computed, KV tokens read."""
+        return self.fixed_s + self.per_token_s * num_tokens + self.per_kv_read_s * kv_reads
 
 
 class FakeModel:
@@ -78,6 +86,8 @@ class SimResult:
     kv_utilisation_samples: list[float] = field(default_factory=list)
     peak_used_blocks: int = 0
     final_stats: BlockStats | None = None
+    # simulated time of each output token, per sequence (its ITL gaps; a preemption shows as a long one)
+    token_times: dict[Sequence, list[float]] = field(default_factory=dict)
 
 
 def simulate(config: SchedulerConfig, num_blocks: int, block_size: int,
@@ -114,6 +124,8 @@ def simulate(config: SchedulerConfig, num_blocks: int, block_size: int,
         result.scheduler_s += time.perf_counter() - started
         result.steps += 1
         result.decode_tokens += len(sampled)
+        for seq in sampled:
+            result.token_times.setdefault(seq, []).append(now[0])
         if sample_kv_every and result.steps % sample_kv_every == 0:
             stats = scheduler.pool.stats(scheduler.running)
             result.kv_utilisation_samples.append(stats.kv_utilisation)

@@ -1,0 +1,201 @@
+"""Load generator and SLO report: drive a trace through producer -> Redis -> worker -> streams.
+
+    python -m ops.load trace --out trace.jsonl [trace options]        write a generated trace
+    python -m ops.load run [trace options | --trace FILE] [target]    one run: table, JSON, plots
+    python -m ops.load sweep --rates 1,2,4 [...]                      the same trace at several loads
+    python -m ops.load compare [trace options] [--model M]            continuous vs static (compare.py)
+
+The target is a live deployment (--redis-url, with --metrics-url per worker for its counters) or,
+without --redis-url, a private one started for the run: a redis-server and one worker on --model
+with --worker-args. A sweep or a comparison starts a fresh private worker for every run, so that no
+run finds the prompts of the one before in the prefix cache (against a live deployment they may).
+--out DIR writes the report(s) as JSON and the PNG plots there.
+
+The default trace is sized for a 2-core CPU on the bundled smollm2-135m (a comparison takes two to
+four minutes): 80 requests, a fifth of them in the fast lane, normal-lane prompts and outputs
+lognormal (outputs up to 256 tokens, mean about 47), Poisson arrivals at 6 req/s. With the
+comparison's worker flags (16 seats) a worker sustains about 6-7 req/s of it on the continuous policy
+and about 3 on the static one, so 6 req/s separates the two, and --saturated-rate 16 is well above
+both. `--model random:llama --count 12` makes a quick run (the tests' way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from ops.tool import run_tool
+from ops.load.compare import compare, comparison_table
+from ops.load.report import report_table, summarize, sweep_table, to_json
+from ops.load.runner import RunResult, private_deployment, run
+from ops.load.trace import at_rate, generate, offered_rate, read_trace, write_trace
+
+# What every run of a comparison gives the worker besides --policy: seats for a static batch of 16
+# and room in the engine's queue to form it, and a token budget that keeps a step with a prefill
+# chunk in it short.
+COMPARE_WORKER_ARGS = "--max-num-seqs 16 --intake-ahead 16 --token-budget 512"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    return run_tool("load", lambda: args.command(args, console), console)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    traces = argparse.ArgumentParser(add_help=False)
+    group = traces.add_argument_group("trace (ops/load/trace.py)")
+    group.add_argument("--trace", type=Path, help="replay this JSONL trace instead of generating one")
+    group.add_argument("--count", type=int, default=80, help="requests")
+    group.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--arrivals", choices=("poisson", "bursty"), default="poisson")
+    group.add_argument("--peak-to-trough", type=float, default=10.0, help="bursty: peak rate / trough rate")
+    group.add_argument("--burst-period", type=float, default=10.0, help="bursty: seconds of one on/off cycle")
+    group.add_argument("--burst-on-share", type=float, default=0.25, help="bursty: share of a cycle at the peak")
+    group.add_argument("--prompt-lengths", default="lognormal:64,0.8,512", help="normal lane's prompt tokens")
+    group.add_argument("--output-lengths", default="lognormal:24,1.2,256", help="normal lane's output tokens")
+    group.add_argument("--fast-share", type=float, default=0.2, help="share of requests in the fast lane")
+    group.add_argument("--fast-prompt-lengths", default="uniform:8,32")
+    group.add_argument("--fast-output-lengths", default="uniform:4,12")
+    group.add_argument("--shared-prefix-share", type=float, default=0.0,
+                       help="share of requests that start with a shared system prompt")
+    group.add_argument("--shared-prefix-tokens", type=int, default=64)
+    group.add_argument("--num-prefixes", type=int, default=1, help="distinct shared system prompts")
+
+    targets = argparse.ArgumentParser(add_help=False)
+    group = targets.add_argument_group("target")
+    group.add_argument("--redis-url", help="a live deployment (default: a private one)")
+    group.add_argument("--metrics-url", action="append", default=[],
+                       help="a live worker's /metrics URL, for its counters (repeat per worker)")
+    group.add_argument("--prefix", default="sb", help="key prefix of the live deployment")
+    group.add_argument("--model", default="smollm2-135m", help="the private worker's model")
+    group.add_argument("--worker-args", default="",
+                       help=f"the private worker's other flags, as one string (compare: '{COMPARE_WORKER_ARGS}')")
+
+    runs = argparse.ArgumentParser(add_help=False)
+    group = runs.add_argument_group("run")
+    group.add_argument("--concurrency", type=int, help="closed loop with this many clients (arrivals ignored)")
+    group.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    group.add_argument("--out", type=Path, help="write JSON reports and PNG plots to this directory")
+
+    parser = argparse.ArgumentParser(prog="python -m ops.load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(required=True)
+    command = commands.add_parser("trace", parents=[traces], help="write a generated trace as JSONL")
+    command.add_argument("--out", type=Path, required=True, help="the JSONL file")
+    command.set_defaults(command=trace_command)
+    command = commands.add_parser("run", parents=[traces, targets, runs], help="one run, reported")
+    command.set_defaults(command=run_command)
+    command = commands.add_parser("sweep", parents=[traces, targets, runs], help="the trace at several loads")
+    command.add_argument("--rates", required=True, type=lambda text: [float(rate) for rate in text.split(",")],
+                         help="offered loads in requests/s, comma-separated")
+    command.set_defaults(command=sweep_command)
+    command = commands.add_parser("compare", parents=[traces, targets, runs], help="continuous vs static")
+    command.add_argument("--saturated-rate", type=float, default=16.0,
+                         help="offered load of the fast-lane runs: above what the worker sustains")
+    command.set_defaults(command=compare_command, worker_args=COMPARE_WORKER_ARGS)
+    return parser
+
+
+def trace_of(args) -> list:
+    if args.trace is not None:
+        return read_trace(args.trace)
+    return generate(args.count, args.rate, seed=args.seed, arrivals=args.arrivals, peak_to_trough=args.peak_to_trough,
+                    burst_period_s=args.burst_period, burst_on_share=args.burst_on_share,
+                    prompt_lengths=args.prompt_lengths, output_lengths=args.output_lengths,
+                    fast_share=args.fast_share, fast_prompt_lengths=args.fast_prompt_lengths,
+                    fast_output_lengths=args.fast_output_lengths, shared_prefix_share=args.shared_prefix_share,
+                    shared_prefix_tokens=args.shared_prefix_tokens, num_prefixes=args.num_prefixes)
+
+
+def trace_command(args, console: Console) -> None:
+    trace = trace_of(args)
+    write_trace(args.out, trace)
+    console.print(f"{len(trace)} requests, {offered_rate(trace):.2f} req/s offered -> {args.out}")
+
+
+def run_on_target(args, trace: list, console: Console, worker_args: list[str] = ()) -> RunResult:
+    """One run on the live deployment, or on a fresh private one (with `worker_args` added)."""
+    if args.redis_url is not None:
+        return run(trace, args.redis_url, concurrency=args.concurrency, timeout=args.timeout,
+                   metrics_urls=args.metrics_url, prefix=args.prefix, console=console)
+    with private_deployment([*shlex.split(args.worker_args), *worker_args], args.model,
+                            console=console) as (url, metrics_url):
+        return run(trace, url, concurrency=args.concurrency, timeout=args.timeout, metrics_urls=[metrics_url],
+                   console=console)
+
+
+def run_command(args, console: Console) -> None:
+    result = run_on_target(args, trace_of(args), console)
+    report = summarize(result)
+    console.print(report_table(report))
+    if args.out is not None:
+        from ops.load import plots  # matplotlib only when plotting
+
+        written = [_write(args.out / "report.json", to_json(report)),
+                   plots.latency_cdfs({"run": result}, args.out / "latency_cdfs.png"),
+                   plots.token_timeline({"run": result}, args.out / "token_timeline.png")]
+        _say_written(console, written)
+
+
+def sweep_command(args, console: Console) -> None:
+    if args.concurrency is not None:
+        raise ValueError("a sweep varies the offered load of an open loop: drop --concurrency")
+    trace = trace_of(args)
+    reports = []
+    for rate in args.rates:
+        console.rule(f"{rate:g} req/s")
+        reports.append(summarize(run_on_target(args, at_rate(trace, rate / offered_rate(trace)), console)))
+        console.print(report_table(reports[-1], f"{rate:g} req/s"))
+    console.print(sweep_table(reports))
+    if args.out is not None:
+        from ops.load import plots
+
+        _say_written(console, [_write(args.out / "sweep.json", to_json(reports)),
+                               plots.load_curve(reports, args.out / "load_curve.png")])
+
+
+def compare_command(args, console: Console) -> None:
+    if args.redis_url is not None or args.concurrency is not None:
+        raise ValueError("compare starts its own workers (one per policy) and sets the offered load: "
+                         "drop --redis-url and --concurrency")
+    trace = trace_of(args)
+    saturated = at_rate(trace, args.saturated_rate / offered_rate(trace))
+    phases = {"continuous": (trace, "continuous"), "static": (trace, "static"),
+              "saturated": (saturated, "continuous"),
+              "saturated, normal lane alone": ([r for r in saturated if r.lane != "fast"], "continuous")}
+    results: dict[str, RunResult] = {}
+    reports = {}
+    for name, (requests, policy) in phases.items():
+        console.rule(f"{name}: {len(requests)} requests at {offered_rate(requests):.2f} req/s, --policy {policy}")
+        results[name] = run_on_target(args, requests, console, ["--policy", policy])
+        reports[name] = summarize(results[name])
+        console.print(report_table(reports[name], name))
+    comparison = compare(*reports.values())
+    console.print(comparison_table(comparison))
+    if args.out is not None:
+        from ops.load import plots
+
+        side_by_side = {name: results[name] for name in ("continuous", "static")}
+        _say_written(console, [_write(args.out / "compare.json", to_json({"runs": reports, "comparison": comparison})),
+                               plots.latency_cdfs(side_by_side, args.out / "latency_cdfs.png"),
+                               plots.token_timeline(side_by_side, args.out / "token_timeline.png")])
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def _say_written(console: Console, paths: list[Path]) -> None:
+    console.print("wrote " + ", ".join(str(path) for path in paths))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Continuous vs static batching on the same trace, and the fast lane's price, as ratios with targets.
+
+Four runs of one trace, each on a fresh private worker with the same flags but --policy:
+  continuous, static    the whole trace at the offered load (one both policies can be held to);
+  saturated             continuous, the same requests arriving faster than the worker sustains;
+  normal lane alone     continuous, the saturated run's normal-lane requests alone (same requests,
+                        same arrival times).
+From them:
+  throughput ratio        continuous / static output tokens/s, all lanes;
+  P99 TTFT, P99 ITL ratio static / continuous, all lanes: how many times better continuous is
+                          (target: at least 3);
+  fast / normal P99 TTFT  in the saturated run (target: at most 1/4); the run counts as saturated
+                          when requests waited for the worker in at least half of the samples;
+  normal-lane loss        1 - the normal lane's tokens/s in the saturated run / in the normal lane's
+                          run alone (target: at most 10%). Under saturation the lanes share a fixed
+                          capacity, so this is at least the fast lane's share of the work; the total
+                          (all lanes) against the normal lane alone is shown beside it: below 1, the
+                          fast lane costs more than the work it brings.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from rich.table import Table
+
+from ops.load.report import ALL, Report
+
+MIN_LATENCY_RATIO = 3.0
+MAX_FAST_TO_NORMAL_TTFT = 0.25
+MAX_NORMAL_LOSS = 0.10
+SATURATED_WAITING_SHARE = 0.5  # requests waited for the worker in at least this share of the samples
+
+
+class Comparison(msgspec.Struct):
+    throughput_ratio: float | None
+    ttft_p99_ratio: float | None
+    itl_p99_ratio: float | None
+    fast_to_normal_ttft_p99: float | None
+    normal_loss: float | None
+    total_to_normal_alone: float | None
+    saturated: bool
+    targets: dict[str, bool]  # target -> met
+
+
+def compare(continuous: Report, static: Report, saturated: Report, normal_alone: Report) -> Comparison:
+    mixed, fixed = continuous.lanes[ALL], static.lanes[ALL]
+    fast, normal = saturated.lanes.get("fast"), saturated.lanes.get("normal")
+    alone = normal_alone.lanes.get("normal")
+    alone_rate = alone.output_tokens_per_s if alone else None
+    ratios = {
+        "throughput_ratio": _ratio(mixed.output_tokens_per_s, fixed.output_tokens_per_s),
+        "ttft_p99_ratio": _ratio(fixed.ttft_s.p99, mixed.ttft_s.p99),
+        "itl_p99_ratio": _ratio(fixed.itl_s.p99, mixed.itl_s.p99),
+        "fast_to_normal_ttft_p99": _ratio(fast.ttft_s.p99, normal.ttft_s.p99) if fast and normal else None,
+        "normal_loss": 1 - _ratio(normal.output_tokens_per_s, alone_rate) if normal and alone_rate else None,
+        "total_to_normal_alone": _ratio(saturated.lanes[ALL].output_tokens_per_s, alone_rate),
+    }
+    is_saturated = (saturated.waiting_share or 0.0) >= SATURATED_WAITING_SHARE
+    targets = {
+        f"P99 TTFT at least {MIN_LATENCY_RATIO:g}x better": _at_least(ratios["ttft_p99_ratio"], MIN_LATENCY_RATIO),
+        f"P99 ITL at least {MIN_LATENCY_RATIO:g}x better": _at_least(ratios["itl_p99_ratio"], MIN_LATENCY_RATIO),
+        "fast-lane P99 TTFT at most 1/4 of the normal lane's, saturated":
+            is_saturated and _at_most(ratios["fast_to_normal_ttft_p99"], MAX_FAST_TO_NORMAL_TTFT),
+        f"normal lane loses at most {MAX_NORMAL_LOSS:.0%} throughput": _at_most(ratios["normal_loss"], MAX_NORMAL_LOSS),
+    }
+    return Comparison(**ratios, saturated=is_saturated, targets=targets)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def _at_least(value: float | None, bound: float) -> bool:
+    return value is not None and value >= bound
+
+
+def _at_most(value: float | None, bound: float) -> bool:
+    return value is not None and value <= bound
+
+
+def comparison_table(comparison: Comparison) -> Table:
+    table = Table("", "value", title="continuous vs static", title_justify="left")
+    shown = (("throughput, continuous / static", comparison.throughput_ratio, "x"),
+             ("P99 TTFT, static / continuous", comparison.ttft_p99_ratio, "x"),
+             ("P99 ITL, static / continuous", comparison.itl_p99_ratio, "x"),
+             ("saturated: P99 TTFT, fast / normal lane", comparison.fast_to_normal_ttft_p99, "x"),
+             ("saturated: normal-lane throughput lost to the fast lane", comparison.normal_loss, "%"),
+             ("saturated: all lanes' throughput / the normal lane's alone", comparison.total_to_normal_alone, "x"))
+    for name, value, unit in shown:
+        table.add_row(name, "-" if value is None else f"{value:.2f}x" if unit == "x" else f"{value:.1%}")
+    table.add_row("the saturated run saturated the worker", "yes" if comparison.saturated else "[red]no[/]")
+    for target, met in comparison.targets.items():
+        table.add_row(f"target: {target}", "[green]met[/]" if met else "[red]not met[/]")
+    return table
