@@ -7,6 +7,7 @@ the fake one in the tests included."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -128,8 +129,9 @@ def summary(watched: list[Watched], wall: float) -> Group:
 
 
 def percentile(values: list[float], q: float) -> float | None:
+    """Nearest rank: the smallest value with at least q of the values at or below it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else None
 
 
 def _show(value: float | None, unit: float) -> str:

@@ -83,11 +83,13 @@ def test_summary_numbers():
     assert fast.tokens == 4 and fast.ttft == 0.2
     assert fast.inter_token_latencies == pytest.approx([0.1, 0.1])
     assert percentile([3, 1, 2], 0.5) == 2 and percentile([], 0.9) is None
+    hundred = list(range(1, 101))
+    assert (percentile(hundred, 0.99), percentile(hundred, 0.5), percentile(hundred, 1.0)) == (99, 50, 100)
     screen = console()
     screen.print(summary([fast, slow], wall=2.0))
     out = screen.file.getvalue()
     assert "2 requests (1 failed), 5 tokens in 2.0 s: 2.5 tokens/s" in out
-    assert re.search(r"TTFT \(s\)\s+│\s+1\.000\s+│\s+1\.000\s+│\s+1\.000", out)
+    assert re.search(r"TTFT \(s\)\s+│\s+0\.200\s+│\s+1\.000\s+│\s+1\.000", out)  # P50 of two: the lower
     assert re.search(r"inter-token latency \(ms\)\s+│\s+100\.0", out)
 
 
