@@ -21,6 +21,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from ops.demo_view import percentile
 from producer.protocol import SamplingParams
 from worker.engine.blocks import BlockPool
 from worker.engine.scheduler import Scheduler
@@ -29,11 +30,6 @@ from worker.engine.sequence import Sequence
 from worker.engine.simulator import CostModel, FakeModel, SimRequest, simulate
 
 console = Console(width=150)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def heavy_tailed_requests(rng: random.Random, count: int, rate_per_s: float | None,
