@@ -10,10 +10,9 @@ from collections.abc import AsyncIterator
 import redis
 import redis.asyncio
 
-from producer.client import DEFAULT_URL, MAX_CONNECTIONS
+from producer.client import DEFAULT_URL, MAX_CONNECTIONS, flow_error, queued
 from producer.completion import Completion
 from producer.core import Call, Deliver, Flow, Operation, Pause, ProducerCore, Steps, Subscribe
-from producer.errors import Disconnected
 from producer.protocol import Event, Keys, Lane, Message, Request, SamplingParams, connection_options
 from producer.stats import QueueStats
 from producer.submission import build_request, checked_id
@@ -89,19 +88,14 @@ class AsyncProducer:
                 continue
             try:
                 reply = await self._perform(operation, pubsub)
-            except (redis.ConnectionError, redis.TimeoutError) as error:
-                operation = steps.next(error=Disconnected(f"redis: {error}"))
             except redis.RedisError as error:
-                operation = steps.next(error=error)
+                operation = steps.next(error=flow_error(error))
             else:
                 operation = steps.next(reply)
 
     async def _perform(self, operation: Operation, pubsub):
         if isinstance(operation, Call):
-            pipe = self.redis.pipeline(transaction=operation.transaction)
-            for command in operation.commands:
-                getattr(pipe, command.name)(*command.args, **command.kwargs)
-            return await pipe.execute(raise_on_error=operation.raise_on_error)
+            return await queued(self.redis, operation).execute(raise_on_error=operation.raise_on_error)
         if isinstance(operation, Subscribe):
             return await pubsub.subscribe(operation.channel)
         if isinstance(operation, Pause):

@@ -106,19 +106,14 @@ class Producer:
                 continue
             try:
                 reply = self._perform(operation, pubsub)
-            except (redis.ConnectionError, redis.TimeoutError) as error:
-                operation = steps.next(error=Disconnected(f"redis: {error}"))
             except redis.RedisError as error:
-                operation = steps.next(error=error)
+                operation = steps.next(error=flow_error(error))
             else:
                 operation = steps.next(reply)
 
     def _perform(self, operation: Operation, pubsub):
         if isinstance(operation, Call):
-            pipe = self.redis.pipeline(transaction=operation.transaction)
-            for command in operation.commands:
-                getattr(pipe, command.name)(*command.args, **command.kwargs)
-            return pipe.execute(raise_on_error=operation.raise_on_error)
+            return queued(self.redis, operation).execute(raise_on_error=operation.raise_on_error)
         if isinstance(operation, Subscribe):
             return pubsub.subscribe(operation.channel)
         if isinstance(operation, Pause):
@@ -128,6 +123,21 @@ class Producer:
                                       timeout=operation.timeout)
         except redis.ConnectionError:
             return None  # see Listen
+
+
+def queued(client, call: Call):
+    """A pipeline (sync or asyncio: they queue alike) holding the call's commands, to execute."""
+    pipe = client.pipeline(transaction=call.transaction)
+    for command in call.commands:
+        getattr(pipe, command.name)(*command.args, **command.kwargs)
+    return pipe
+
+
+def flow_error(error: redis.RedisError) -> Exception:
+    """What a flow is told of a failed operation: a lost connection as Disconnected, the rest as is."""
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
+        return Disconnected(f"redis: {error}")
+    return error
 
 
 class Handle:
