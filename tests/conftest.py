@@ -2,9 +2,15 @@
 (`models.smollm2_cache()`: converted from the bundled GGUF once, reloaded in a second)."""
 
 import importlib.util
+import os
 
-import pytest
-import torch
+# On CPU, Triton's interpreter runs the CUDA attention kernels (tests/engine/test_triton_attention.py).
+# It must be on before triton is first imported, which importing torch or transformers may do: so here.
+if os.environ.get("STREAMBATCH_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

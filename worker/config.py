@@ -90,6 +90,7 @@ WORKER_FLAGS = {
     "replay_ttl": "seconds a finished request's events stay readable",
     "dead_letter_ttl": "seconds a dead letter is kept (the stream is also capped at 100,000 entries)",
 }
+ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bfloat16 on CUDA, float32 on CPU"}
 ENGINE_OPTIONS: dict[str, msgspec.structs.FieldInfo] = {
     field.name: field for struct, skip in ((EngineConfig, {"model", "scheduler"}), (SchedulerConfig, {"max_model_len"}))
     for field in msgspec.structs.fields(struct) if field.name not in skip
@@ -116,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine options (see worker/engine/config.py)")
     for name, field in ENGINE_OPTIONS.items():
         action = argparse.BooleanOptionalAction if field.type is bool else "store"
-        engine.add_argument(flag(name), action=action, help=f"default {field.default}")
+        described = f"{ENGINE_FLAGS[name]}; " if name in ENGINE_FLAGS else ""
+        engine.add_argument(flag(name), action=action, help=f"{described}default {field.default}")
     return parser
 
 

@@ -37,7 +37,8 @@ class Completion:
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **options: Any) -> None:
         """Options use the worker's flag names: block_size, num_blocks, kv_cache_memory,
-        token_budget, fast_lane_share, watermark, policy, enable_prefix_caching, dtype, device..."""
+        token_budget, fast_lane_share, watermark, policy, enable_prefix_caching, dtype (default auto:
+        bfloat16 on CUDA, float32 on CPU), device..."""
         self.engine = Engine(EngineConfig.from_options(model, **options))
 
     def generate(self, prompts: Prompt | Many[Prompt], params: SamplingParams | Many[SamplingParams] | None = None,

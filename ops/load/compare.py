@@ -7,8 +7,15 @@ Four runs of one trace, each on a fresh private worker with the same flags but -
                         same arrival times).
 From them:
   throughput ratio        continuous / static output tokens/s, all lanes;
-  P99 TTFT, P99 ITL ratio static / continuous, all lanes: how many times better continuous is
-                          (target: at least 3);
+  P99 TTFT, ITL, e2e ratio static / continuous, all lanes: how many times better continuous is
+                          (target: at least 3 on each). The brief's "P99 latency 3-4x worse" is the
+                          e2e one. The ITL ratio is bounded by the steps themselves: both policies
+                          run the same decode steps, and a static batch's first members decode beside
+                          the prefill chunks of the members admitted after them, so its P99 gap is a
+                          step full of prefill (--token-budget tokens), where continuous's is the step
+                          of its largest arrivals' chunks. The ratio is about those steps' sizes, not
+                          about the scheduling (a batch whose prompts fit one step has no such gap at
+                          all); 1.7x-2.7x measured on the default trace.
   fast / normal P99 TTFT  in the saturated run (target: at most 1/4); the run counts as saturated
                           when requests waited for the worker in at least half of the samples;
   normal-lane loss        1 - the normal lane's tokens/s in the saturated run / in the normal lane's
@@ -35,6 +42,7 @@ class Comparison(msgspec.Struct):
     throughput_ratio: float | None
     ttft_p99_ratio: float | None
     itl_p99_ratio: float | None
+    e2e_p99_ratio: float | None
     fast_to_normal_ttft_p99: float | None
     normal_loss: float | None
     total_to_normal_alone: float | None
@@ -51,6 +59,7 @@ def compare(continuous: Report, static: Report, saturated: Report, normal_alone:
         "throughput_ratio": _ratio(mixed.output_tokens_per_s, fixed.output_tokens_per_s),
         "ttft_p99_ratio": _ratio(fixed.ttft_s.p99, mixed.ttft_s.p99),
         "itl_p99_ratio": _ratio(fixed.itl_s.p99, mixed.itl_s.p99),
+        "e2e_p99_ratio": _ratio(fixed.e2e_s.p99, mixed.e2e_s.p99),
         "fast_to_normal_ttft_p99": _ratio(fast.ttft_s.p99, normal.ttft_s.p99) if fast and normal else None,
         "normal_loss": 1 - _ratio(normal.output_tokens_per_s, alone_rate) if normal and alone_rate else None,
         "total_to_normal_alone": _ratio(saturated.lanes[ALL].output_tokens_per_s, alone_rate),
@@ -59,6 +68,7 @@ def compare(continuous: Report, static: Report, saturated: Report, normal_alone:
     targets = {
         f"P99 TTFT at least {MIN_LATENCY_RATIO:g}x better": _at_least(ratios["ttft_p99_ratio"], MIN_LATENCY_RATIO),
         f"P99 ITL at least {MIN_LATENCY_RATIO:g}x better": _at_least(ratios["itl_p99_ratio"], MIN_LATENCY_RATIO),
+        f"P99 e2e at least {MIN_LATENCY_RATIO:g}x better": _at_least(ratios["e2e_p99_ratio"], MIN_LATENCY_RATIO),
         "fast-lane P99 TTFT at most 1/4 of the normal lane's, saturated":
             is_saturated and _at_most(ratios["fast_to_normal_ttft_p99"], MAX_FAST_TO_NORMAL_TTFT),
         f"normal lane loses at most {MAX_NORMAL_LOSS:.0%} throughput": _at_most(ratios["normal_loss"], MAX_NORMAL_LOSS),
@@ -85,6 +95,7 @@ def comparison_table(comparison: Comparison) -> Table:
     shown = (("throughput, continuous / static", comparison.throughput_ratio, "x"),
              ("P99 TTFT, static / continuous", comparison.ttft_p99_ratio, "x"),
              ("P99 ITL, static / continuous", comparison.itl_p99_ratio, "x"),
+             ("P99 e2e, static / continuous", comparison.e2e_p99_ratio, "x"),
              ("saturated: P99 TTFT, fast / normal lane", comparison.fast_to_normal_ttft_p99, "x"),
              ("saturated: normal-lane throughput lost to the fast lane", comparison.normal_loss, "%"),
              ("saturated: all lanes' throughput / the normal lane's alone", comparison.total_to_normal_alone, "x"))

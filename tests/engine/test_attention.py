@@ -42,8 +42,8 @@ def tokens(n: int, seed: int) -> list[int]:
 class Pager:
     """A minimal stand-in for the block pool: shuffled physical blocks, tables grown on demand."""
 
-    def __init__(self, model, block_size: int, num_blocks: int = 128, seed: int = 0, native: bool | None = None):
-        self.model, self.block_size, self.native = model, block_size, native
+    def __init__(self, model, block_size: int, num_blocks: int = 128, seed: int = 0, backend: str | None = None):
+        self.model, self.block_size, self.backend = model, block_size, backend
         self.kv_caches = allocate_kv_cache(ModelInfo.from_model(model), num_blocks, block_size, device=DEVICE)
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -58,7 +58,7 @@ class Pager:
         return AttentionMetadata.build(
             [self.computed.get(key, 0) for key, _ in work], [len(new) for _, new in work],
             [self.tables[key] for key, _ in work], self.block_size, DEVICE, kv_caches=self.kv_caches,
-            native_kernels=self.native,
+            backend=self.backend,
         )
 
     def step(self, work: list[tuple[str, list[int]]], all_rows: bool = False):
@@ -93,15 +93,15 @@ def check_rows(name, pager, work, meta, logits, full, dtype="float32", atol=1e-4
 MODELS = ["random:llama", "random:qwen2", "random:mistral"]
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-decode", "torch-decode"])
+@pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("name", MODELS)
-def test_mixed_batch_matches_each_sequence_alone(name, block_size, native):
-    if native and kernels.native() is None:
+def test_mixed_batch_matches_each_sequence_alone(name, block_size, backend):
+    if backend == "native" and kernels.native() is None:
         pytest.fail("the native decode kernel did not build")
     full = {"long": tokens(100, 1), "short": tokens(5, 2), "decode": tokens(38, 3), "chunked": tokens(43, 4),
             "single": tokens(1, 5)}
-    pager = Pager(paged_model(name), block_size, seed=block_size, native=native)
+    pager = Pager(paged_model(name), block_size, seed=block_size, backend=backend)
     # Step 1 fills the cache: a context that will decode, and the first chunk of a chunked prefill.
     work = [("decode", full["decode"][:37]), ("chunked", full["chunked"][:20])]
     meta, logits = pager.step(work, all_rows=True)
@@ -111,7 +111,7 @@ def test_mixed_batch_matches_each_sequence_alone(name, block_size, native):
     work = [("long", full["long"]), ("decode", full["decode"][37:]), ("short", full["short"]),
             ("single", full["single"]), ("chunked", full["chunked"][20:])]
     meta = pager.metadata(work)
-    decode_rows = [[100, 106]] if native else [[106, 100]]  # native: row order; torch: by length
+    decode_rows = [[100, 106]] if backend == "native" else [[106, 100]]  # native: row order; torch: by length
     assert len(meta.prefills) == 3 and [g.rows.tolist() for g in meta.decode_groups] == decode_rows
     meta, logits = pager.step(work, all_rows=True)
     check_rows(name, pager, work, meta, logits, full)
@@ -197,7 +197,7 @@ def test_decodes_share_one_attention_call(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **k: calls.append(a[0].shape) or sdpa(*a, **k))
     model = paged_model("random:llama")
-    pager = Pager(model, 8, native=False)
+    pager = Pager(model, 8, backend="torch")
     pager.step([(str(i), tokens(3 + i, i)) for i in range(10)])
     calls.clear()
     work = [(str(i), [5]) for i in range(10)] + [("new", tokens(9, 99))]
@@ -209,14 +209,14 @@ def test_decodes_share_one_attention_call(monkeypatch):
 
 def test_decode_groups_give_the_same_logits():
     model = paged_model("random:llama")
-    pager = Pager(model, 8, native=False)
+    pager = Pager(model, 8, backend="torch")
     contexts = {str(i): tokens(3 + 7 * i, i) for i in range(8)}
     pager.step(list(contexts.items()))
     work = [(key, [9]) for key in contexts]
     metas = [pager.metadata(work), pager.metadata(work)]
     metas[1] = AttentionMetadata.build([pager.computed[k] for k, _ in work], [1] * 8,
                                        [pager.tables[k] for k, _ in work], 8, DEVICE, kv_caches=pager.kv_caches,
-                                       decode_group_tokens=24, native_kernels=False)
+                                       decode_group_tokens=24, backend="torch")
     assert len(metas[0].decode_groups) == 1 and len(metas[1].decode_groups) > 3
     with torch.inference_mode():
         one, split = (run_model(model, torch.tensor([9] * 8, device=DEVICE), m) for m in metas)
@@ -256,18 +256,18 @@ def test_build_metadata_by_hand():
     assert (decodes.rows.tolist(), decodes.blocks.tolist(), decodes.max_blocks) == ([3], [2, 7], 2)
     assert [(p.start, p.end, p.num_computed, p.seq_len, p.blocks.tolist()) for p in meta.prefills] == [
         (0, 3, 0, 3, [5]), (4, 8, 2, 6, [1, 0])]
-    all_decode = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, native_kernels=False)
+    all_decode = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, backend="torch")
     assert all_decode.is_all_decode
     [decodes] = all_decode.decode_groups  # sorted by length, padded to the longest
     assert decodes.rows.tolist() == [2, 0, 1] and decodes.seq_lens.tolist() == [1, 5, 10]
     assert decodes.blocks.tolist() == [8, 0, 0, 3, 1, 0, 2, 4, 6] and decodes.max_blocks == math.ceil(10 / 4)
     # A cap on padded tokens per call splits the group (lengths 1, 5 | 10 with blocks of 4 -> 8 | 12).
     split = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, decode_group_tokens=16,
-                                   native_kernels=False)
+                                   backend="torch")
     assert [g.rows.tolist() for g in split.decode_groups] == [[2, 0], [1]]
     # The native kernel pads nothing: one group, the rows in order.
     native = AttentionMetadata.build([4, 9, 0], [1, 1, 1], [[3, 1], [2, 4, 6], [8]], 4, decode_group_tokens=16,
-                                     native_kernels=True)
+                                     backend="native")
     assert [g.rows.tolist() for g in native.decode_groups] == [[0, 1, 2]]
 
 

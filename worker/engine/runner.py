@@ -12,8 +12,10 @@ import functools
 
 import torch
 
-from worker.engine.attention import AttentionMetadata, run_model
+from worker.engine.attention import AttentionMetadata, default_backend, run_model
 from worker.engine.compiled import compile_forward
+from worker.engine.config import AttentionBackend
+from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.disk_cache import Phase, quiet
 from worker.engine.linear import fuse_projections, pack_linear_layers, packing_backend, packing_works
 from worker.engine.models import ModelInfo, allocate_kv_cache
@@ -23,10 +25,13 @@ from worker.engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
-                 device: str = "cpu", compile: bool = False, on_phase: Phase = quiet) -> None:
+                 device: str = "cpu", compile: bool = False, on_phase: Phase = quiet,
+                 attention_backend: AttentionBackend | None = None, cuda_graph_max_seqs: int = 0,
+                 max_model_len: int | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        self.attention_backend = attention_backend or default_backend(self.device)
         on_phase(f"allocating the KV cache ({num_blocks} blocks of {block_size} tokens, "
                  f"{num_blocks * info.kv_bytes_per_block(block_size) / 2**30:.2f} GiB)")
         self.kv_caches = allocate_kv_cache(info, num_blocks, block_size, info.dtype, device)
@@ -40,13 +45,23 @@ class ModelRunner:
         if compile:
             on_phase("compiling the model forward (minutes on a cold compile cache)")
             self._compile_now()
+        # Decode steps through fixed buffers, replayed from CUDA graphs on a GPU (eager elsewhere: tests).
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graph_max_seqs and self.attention_backend == "triton":
+            capture = self.device.type == "cuda"
+            if capture:
+                on_phase(f"capturing CUDA graphs of decode steps of up to {cuda_graph_max_seqs} sequences")
+            max_blocks = -(-(max_model_len or info.max_model_len) // block_size)
+            self.decode_graphs = DecodeGraphs(self.forward, self.kv_caches, block_size, max_blocks,
+                                              cuda_graph_max_seqs, self.device, capture)
 
     @torch.inference_mode()
     def _compile_now(self) -> None:
         """Compile at start-up, not in the first step: a worker stalled minutes in a step would
         miss its heartbeats and see its requests taken over. A 1-token forward into block 0,
         whose content no sequence reads before writing it."""
-        meta = AttentionMetadata.build([0], [1], [[0]], self.block_size, self.device, self.kv_caches)
+        meta = AttentionMetadata.build([0], [1], [[0]], self.block_size, self.device, self.kv_caches,
+                                       backend=self.attention_backend)
         self.forward(torch.zeros(1, dtype=torch.long, device=self.device), meta)
 
     @torch.inference_mode()
@@ -58,9 +73,13 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, start, count in zip(seqs, num_computed, num_new):
             input_ids.extend(seq.token_ids[start:start + count])
-        meta = AttentionMetadata.build(num_computed, num_new, [seq.block_table for seq in seqs],
-                                       self.block_size, self.device, self.kv_caches)
         sampling = [i for i, seq in enumerate(seqs) if plan.samples(seq)]
+        graphs = self.decode_graphs
+        if graphs is not None and len(seqs) <= graphs.max_seqs and all(n == 1 for n in num_new):
+            logits = graphs.run(input_ids, num_computed, [seq.block_table for seq in seqs])
+            return [seqs[i] for i in sampling], logits[sampling]
+        meta = AttentionMetadata.build(num_computed, num_new, [seq.block_table for seq in seqs],
+                                       self.block_size, self.device, self.kv_caches, backend=self.attention_backend)
         meta.logits_rows = meta.logits_rows[sampling]  # a mid-prompt chunk needs no logits
         logits = self.forward(torch.tensor(input_ids, device=self.device), meta)
         return [seqs[i] for i in sampling], logits

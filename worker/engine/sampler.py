@@ -74,9 +74,10 @@ def apply_penalties(logits: torch.Tensor, requests: list[SampleRequest]) -> None
         for ids, weight in ((requests[i].prompt_ids, 0.0), (requests[i].output_ids, 1.0)):
             keys.append(torch.as_tensor(ids, dtype=torch.long) + i * vocab)
             in_output.append(torch.full((len(ids),), weight, dtype=dtype))
-    keys, inverse = torch.unique(torch.cat(keys).to(device), return_inverse=True)
-    count = torch.zeros(len(keys), dtype=dtype, device=device)
-    count.scatter_add_(0, inverse, torch.cat(in_output).to(device))  # occurrences in the output
+    # On the host, where the ids are: unique's output size is data-dependent, a sync on a device.
+    keys, inverse = torch.unique(torch.cat(keys), return_inverse=True)
+    count = torch.zeros(len(keys), dtype=dtype).scatter_add_(0, inverse, torch.cat(in_output))  # output occurrences
+    keys, count = keys.to(device), count.to(device)
     row = keys // vocab
 
     def per_row(name: str) -> torch.Tensor:
@@ -94,41 +95,47 @@ def apply_penalties(logits: torch.Tensor, requests: list[SampleRequest]) -> None
 
 def _filter(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
     """Probabilities after top-k, then top-p (over the top-k renormalised), then min-p.
-    Returned unnormalised: the exponential race does not need them to sum to one."""
+    Returned unnormalised: the exponential race does not need them to sum to one. Which rows
+    filter is read from their params on the host, never from a device tensor (no sync)."""
     probs = logits.softmax(dim=1)
     vocab = probs.shape[1]
-    top_k = torch.tensor([r.params.top_k or vocab for r in requests], device=probs.device)
-    top_p = torch.tensor([r.params.top_p for r in requests], device=probs.device)
-    rows = ((top_k < vocab) | (top_p < 1.0)).nonzero().squeeze(1)
-    if len(rows):
-        probs[rows] = _top_k_top_p(probs[rows], top_k[rows], top_p[rows])
-    min_p = _column([r.params.min_p for r in requests], probs)
-    if bool((min_p > 0).any()):
-        probs = probs.masked_fill(probs < min_p * probs.max(dim=1, keepdim=True).values, 0.0)
+    rows = [i for i, r in enumerate(requests) if 0 < (r.params.top_k or vocab) < vocab or r.params.top_p < 1.0]
+    if rows:
+        probs[rows] = _top_k_top_p(probs[rows], [min(requests[i].params.top_k or vocab, vocab) for i in rows],
+                                   [requests[i].params.top_p for i in rows])
+    min_p = [r.params.min_p for r in requests]
+    if any(p > 0 for p in min_p):
+        probs = probs.masked_fill(probs < _column(min_p, probs) * probs.max(dim=1, keepdim=True).values, 0.0)
     return probs
 
 
-def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 size: int = 64) -> torch.Tensor:
+def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float], size: int = 64) -> torch.Tensor:
     """Zero all but each row's kept head. A full sort of the vocabulary costs ~4 ms a row on
-    CPU, so only a head is sorted (topk): big enough for every top_k; a top-p-only row whose
-    nucleus does not end inside it is redone with a 4x bigger head. Exact either way."""
+    CPU, so there only a head is sorted (topk): big enough for every top_k; a top-p-only row
+    whose nucleus does not end inside it is redone with a 4x bigger head. On an accelerator the
+    whole vocabulary is sorted at once: cheap there, and asking whether a head sufficed would
+    be a host sync. Exact either way."""
     vocab = probs.shape[1]
-    size = min(vocab, max([size] + [k for k in top_k.tolist() if k < vocab]))
+    if probs.device.type != "cpu":
+        size = vocab
+    size = min(vocab, max([size] + [k for k in top_k if k < vocab]))
+    k = torch.tensor(top_k, device=probs.device)
+    p = torch.tensor(top_p, device=probs.device)
     head, ids = probs.topk(size, dim=1)
     rank = torch.arange(size, device=probs.device).unsqueeze(0)
-    in_top_k = rank < top_k.unsqueeze(1)
+    in_top_k = rank < k.unsqueeze(1)
     # top-p counts mass within the top-k set (as vLLM and HF do): scale p by that mass.
-    mass = torch.where(top_k < vocab, (head * in_top_k).sum(dim=1), 1.0).unsqueeze(1)
+    mass = torch.where(k < vocab, (head * in_top_k).sum(dim=1), 1.0).unsqueeze(1)
     # Keep a token while the mass strictly before it is below p: the best one always stays.
     # p == 1 masks nothing, even where a float cumsum rounds up to the total.
-    limit = torch.where(top_p < 1.0, top_p, float("inf")).unsqueeze(1) * mass
+    limit = torch.where(p < 1.0, p, float("inf")).unsqueeze(1) * mass
     keep = in_top_k & (head.cumsum(dim=1) - head < limit)
     kept = torch.zeros_like(probs).scatter_(1, ids, head * keep)
     if size < vocab:
-        unsettled = ((top_k > size) & (head.sum(dim=1) < top_p)).nonzero().squeeze(1)
-        if len(unsettled):
-            kept[unsettled] = _top_k_top_p(probs[unsettled], top_k[unsettled], top_p[unsettled], size * 4)
+        unsettled = ((k > size) & (head.sum(dim=1) < p)).nonzero().squeeze(1).tolist()
+        if unsettled:
+            kept[unsettled] = _top_k_top_p(probs[unsettled], [top_k[i] for i in unsettled],
+                                           [top_p[i] for i in unsettled], size * 4)
     return kept
 
 
@@ -147,8 +154,24 @@ def _exponential_noise(probs: torch.Tensor, requests: list[SampleRequest]) -> to
     return uniform.log_().neg_().clamp_min_(torch.finfo(probs.dtype).tiny)
 
 
+@dataclass(slots=True)
+class DeviceSample:
+    """What one step sampled, still on the logits' device."""
+
+    tokens: torch.Tensor  # [rows]
+    wants_logprobs: list[int]  # rows that asked for logprobs
+    chosen_logprobs: torch.Tensor | None  # [len(wants_logprobs)] raw logprob of the sampled token
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) [len(wants_logprobs), n_max]
+
+
 def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> SampleOutput:
     """Sample one token per row of `logits` [rows, vocab]; `logits` is not modified."""
+    return to_host(sample_on_device(logits, requests), requests)
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[SampleRequest]) -> DeviceSample:
+    """Everything but the copy to the host: no operation here waits on the device (none reads a
+    device value back), so a step's one sync is to_host's."""
     if logits.dim() != 2 or logits.shape[0] != len(requests):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
     logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
@@ -164,17 +187,23 @@ def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> SampleOutput:
         probs = _filter(logits[rows] / temperature, subset)
         # Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p_t.
         tokens[rows] = (probs / _exponential_noise(probs, subset)).argmax(dim=1)
+    chosen = top = None
+    if raw_logprobs is not None:
+        chosen = raw_logprobs.gather(1, tokens[wants_logprobs].unsqueeze(1)).squeeze(1)
+        n_max = max(requests[i].params.logprobs or 0 for i in wants_logprobs)
+        top = raw_logprobs.topk(n_max, dim=1) if n_max else None
+    return DeviceSample(tokens, wants_logprobs, chosen, top)
 
-    token_list = tokens.tolist()
+
+def to_host(sampled: DeviceSample, requests: list[SampleRequest]) -> SampleOutput:
+    token_list = sampled.tokens.tolist()
     logprob_list: list[float | None] = [None] * len(requests)
     top_list: list[list[tuple[int, float]] | None] = [None] * len(requests)
-    if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, tokens[wants_logprobs].unsqueeze(1)).squeeze(1).tolist()
-        n_max = max(requests[i].params.logprobs or 0 for i in wants_logprobs)
-        top_values, top_ids = raw_logprobs.topk(n_max, dim=1) if n_max else (None, None)
-        for j, i in enumerate(wants_logprobs):
-            logprob_list[i] = chosen[j]
+    if sampled.chosen_logprobs is not None:
+        chosen = sampled.chosen_logprobs.tolist()
+        top_values, top_ids = (t.tolist() for t in sampled.top_logprobs) if sampled.top_logprobs else ([], [])
+        for j, i in enumerate(sampled.wants_logprobs):
             n = requests[i].params.logprobs or 0
-            top_list[i] = (list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist()))
-                           if n else [])
+            logprob_list[i] = chosen[j]
+            top_list[i] = list(zip(top_ids[j][:n], top_values[j][:n])) if n else []
     return SampleOutput(token_list, logprob_list, top_list)

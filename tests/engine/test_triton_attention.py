@@ -1,0 +1,163 @@
+"""The Triton backend (triton_attention.py) against the CPU paths and HF generate.
+
+On CPU the kernels run under Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1
+before torch (which imports triton) is imported. STREAMBATCH_TEST_DEVICE=cuda runs the same
+checks compiled, on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from producer.protocol import SamplingParams
+from tests.engine.test_attention import DEVICE, Pager, check_rows, paged_model, tokens
+from tests.engine.test_engine import hf_greedy, make_engine, prompts_of, run
+from worker.engine import kernels, triton_attention
+from worker.engine.attention import AttentionMetadata, attend, default_backend, kv_cache_shapes
+from worker.engine.models import load_model, random_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# (num_computed, num_new) per sequence of one packed step: a fresh prompt of several query tiles,
+# decodes over 1 to 2 KV tiles (TILE_N = 32), chunks over a cached prefix, a 1-token prompt;
+# sequences start on and off the query tiles of the row (BLOCK_Q 16 or 5).
+STEP = [(0, 20), (37, 1), (20, 9), (50, 1), (3, 1), (0, 1), (41, 6)]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def test_the_kernels_run_interpreted_on_cpu():
+    if DEVICE != "cpu":
+        pytest.skip("compiled on a GPU")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # triton's own jit functions (tl.sum, tl.max) too: they are defined when triton is first imported.
+    assert triton_attention.INTERPRETED and isinstance(tl.sum, InterpretedFunction), \
+        "TRITON_INTERPRET=1 must be set before torch or triton is imported (tests/conftest.py)"
+    assert isinstance(triton_attention._attention_kernel, InterpretedFunction)
+
+
+def packed_step(block_size: int, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+    """Random caches (the cached prefixes' K/V), queries and new K/V of the STEP, on shuffled blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)  # noqa: E731
+    free = list(range(64))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in STEP]
+    k_shape, v_shape = kv_cache_shapes(64, block_size, num_kv_heads, head_dim)
+    num_tokens = sum(n for _, n in STEP)
+    caches = randn(*k_shape), randn(*v_shape)
+    inputs = (randn(1, num_kv_heads * group, num_tokens, head_dim), randn(1, num_kv_heads, num_tokens, head_dim),
+              randn(1, num_kv_heads, num_tokens, head_dim))
+    return tables, caches, inputs
+
+
+def attend_with(backend: str, block_size: int, tables, caches, inputs, window: int | None):
+    """-> (output [1, T, heads, dim], the caches after the step's writes)."""
+    meta = AttentionMetadata.build([c for c, _ in STEP], [n for _, n in STEP], tables, block_size, DEVICE,
+                                   backend=backend)
+    k_cache, v_cache = (cache.clone() for cache in caches)
+    query, key, value = inputs
+    return attend(meta, k_cache, v_cache, query, key, value, query.shape[-1] ** -0.5, window), (k_cache, v_cache)
+
+
+@pytest.mark.parametrize("block_size, group, head_dim, dtype, window", [
+    (16, 1, 64, torch.float32, None),
+    (8, 3, 64, torch.float32, 7),
+    (32, 3, 40, torch.float16, None),  # head_dim 40: padded to 64
+    (8, 1, 40, torch.float16, 7),
+    (16, 3, 64, torch.bfloat16, 7),
+    (32, 1, 64, torch.bfloat16, None),
+], ids=lambda value: str(value).removeprefix("torch."))
+def test_mixed_step_matches_the_cpu_paths(block_size, group, head_dim, dtype, window):
+    step = packed_step(block_size, 2, group, head_dim, dtype)
+    out, caches = attend_with("triton", block_size, *step, window)
+    references = ["torch"] + (["native"] if DEVICE == "cpu" and kernels.native() is not None else [])
+    for backend in references:
+        expected, expected_caches = attend_with(backend, block_size, *step, window)
+        assert all(torch.equal(a, b) for a, b in zip(caches, expected_caches)), backend
+        torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=0, msg=backend)
+
+
+def test_window_and_causal_masks_matter():
+    """The case above would pass with a kernel that ignored the window or saw future keys, were
+    the outputs the same with and without them: they are not."""
+    step = packed_step(8, 2, 1, 64, torch.float32)
+    windowed, _ = attend_with("triton", 8, *step, 7)
+    full, _ = attend_with("triton", 8, *step, None)
+    assert (windowed - full).abs().max() > 0.1
+    query, key, value = step[2]
+    value = value.clone()
+    value[:, :, 19] += 10  # the last token of the 20-token prompt: only its own row sees it
+    changed, _ = attend_with("triton", 8, step[0], step[1], (query, key, value), None)
+    differs = (changed - full).abs().amax(dim=(0, 2, 3)) > 0
+    assert differs.nonzero().flatten().tolist() == [19]
+
+
+def test_padding_of_a_captured_graph_changes_nothing():
+    """A CUDA graph replays a step padded to its captured size: tokens with slot -1 write nothing,
+    and empty sequences (query_start_loc repeating its end) add no rows."""
+    k_shape, v_shape = kv_cache_shapes(2, 4, 2, 8)
+    k_cache, v_cache = torch.zeros(k_shape, device=DEVICE), torch.zeros(v_shape, device=DEVICE)
+    key = torch.ones(2, 2, 8, device=DEVICE)
+    triton_attention.write_kv(k_cache, v_cache, torch.tensor([5, -1], device=DEVICE), key, key)
+    assert k_cache.sum() == v_cache.sum() == 16  # one token: 2 heads x 8
+    assert (k_cache[1, :, :, 1] == 1).all() and (v_cache[1, :, 1] == 1).all()
+
+    tables, caches, (query, _, _) = packed_step(8, 2, 3, 64, torch.float32)
+    meta = AttentionMetadata.build([c for c, _ in STEP], [n for _, n in STEP], tables, 8, DEVICE, backend="triton")
+    end, two = meta.query_start_loc[-1:], torch.zeros(2, dtype=torch.long, device=DEVICE)
+    plain, padded = (
+        triton_attention.paged_attention(query[0].transpose(0, 1), *caches, starts, lens, table, 0.125, None)
+        for starts, lens, table in (
+            (meta.query_start_loc, meta.seq_lens, meta.block_tables),
+            (torch.cat([meta.query_start_loc, end, end]), torch.cat([meta.seq_lens, two]),
+             torch.cat([meta.block_tables, meta.block_tables[:2]])),
+        ))
+    assert torch.equal(plain, padded)
+
+
+def test_backend_choice():
+    assert default_backend("cuda") == "triton"  # triton is installed
+    assert default_backend("cpu") == ("native" if kernels.native() is not None else "torch")
+    meta = AttentionMetadata.build([4, 0], [1, 3], [[2, 1], [0]], 4, backend="triton")
+    assert meta.backend == "triton" and not meta.decode_groups and not meta.prefills  # one launch needs neither
+    assert not meta.is_all_decode
+    with pytest.raises(ValueError, match="backend"):
+        AttentionMetadata.build([0], [1], [[0]], 4, backend="cudnn")
+
+
+def test_mixed_batch_logits_match_each_sequence_alone():
+    """random:mistral: GQA (4 heads over 2) and a 16-token sliding window, through the whole model."""
+    name = "random:mistral"
+    full = {"long": tokens(40, 1), "short": tokens(5, 2), "decode": tokens(38, 3), "chunked": tokens(43, 4),
+            "single": tokens(1, 5)}
+    pager = Pager(paged_model(name), 8, seed=3, backend="triton")
+    work = [("decode", full["decode"][:37]), ("chunked", full["chunked"][:20])]
+    meta, logits = pager.step(work, all_rows=True)
+    check_rows(name, pager, work, meta, logits, full)
+    work = [("long", full["long"]), ("decode", full["decode"][37:]), ("short", full["short"]),
+            ("single", full["single"]), ("chunked", full["chunked"][20:])]
+    meta, logits = pager.step(work, all_rows=True)
+    check_rows(name, pager, work, meta, logits, full)
+
+
+@pytest.mark.parametrize("spec, low", [("random:llama", 3), ("random:mistral", 20)])  # mistral: past its window
+def test_engine_greedy_tokens_match_hf_generate(spec, low, monkeypatch):
+    model, _ = load_model(spec, device=DEVICE)
+    reference = random_model(spec)  # on CPU, as hf_greedy runs it
+    reference.set_attn_implementation("sdpa")
+    prompts = prompts_of(4, seed=5, low=low, high=40)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # A small budget: prompts go in chunks, mixed with the decodes of the others.
+    engine = make_engine((spec, model, reference), num_blocks=64, block_size=8, token_budget=24,
+                         attention_backend="triton", device=DEVICE)
+    query_lens = []  # per launch, the new tokens of each sequence
+    kernel = triton_attention.paged_attention
+    monkeypatch.setattr(triton_attention, "paged_attention",
+                        lambda *args: query_lens.append(args[3].diff().tolist()) or kernel(*args))
+    assert run(engine, prompts, params) == [hf_greedy(reference, prompt, 8) for prompt in prompts]
+    assert any(1 in lens and max(lens) > 1 for lens in query_lens)  # a step mixed decodes and chunks
