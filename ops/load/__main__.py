@@ -14,9 +14,10 @@ run finds the prompts of the one before in the prefix cache (against a live depl
 The default trace is sized for a 2-core CPU on the bundled smollm2-135m (a comparison takes two to
 four minutes): 80 requests, a fifth of them in the fast lane, normal-lane prompts and outputs
 lognormal (outputs up to 256 tokens, mean about 47), Poisson arrivals at 6 req/s. With the
-comparison's worker flags (16 seats) a worker sustains about 6-7 req/s of it on the continuous policy
-and about 3 on the static one, so 6 req/s separates the two, and --saturated-rate 16 is well above
-both. `--model random:llama --count 12` makes a quick run (the tests' way).
+comparison's worker flags (16 seats) a worker sustains 5-7 req/s of it on the continuous policy (AVX2
+or AVX-512 machines) and about half that on the static one: --saturated-rate 16 is well above both,
+and unless --rate is given the comparison offers both policies 80% (--load-share) of what the
+saturated run measured. `--model random:llama --count 12` makes a quick run (the tests' way).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ops.tool import run_tool
-from ops.load.compare import compare, comparison_table
+from ops.load.compare import LOAD_SHARE, capacity, compare, comparison_table
 from ops.load.report import report_table, summarize, sweep_table, to_json
 from ops.load.runner import RunResult, private_deployment, run
 from ops.load.trace import at_rate, generate, offered_rate, read_trace, write_trace
@@ -98,14 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     command = commands.add_parser("compare", parents=[traces, targets, runs], help="continuous vs static")
     command.add_argument("--saturated-rate", type=float, default=16.0,
                          help="offered load of the fast-lane runs: above what the worker sustains")
-    command.set_defaults(command=compare_command, worker_args=COMPARE_WORKER_ARGS)
+    command.add_argument("--load-share", type=float, default=LOAD_SHARE,
+                         help="without --rate: the policies' offered load as a share of the capacity the "
+                              "saturated run measured")
+    command.set_defaults(command=compare_command, worker_args=COMPARE_WORKER_ARGS, rate=None)
     return parser
 
 
 def trace_of(args) -> list:
     if args.trace is not None:
         return read_trace(args.trace)
-    return generate(args.count, args.rate, seed=args.seed, arrivals=args.arrivals, peak_to_trough=args.peak_to_trough,
+    return generate(args.count, args.rate or 1.0, seed=args.seed, arrivals=args.arrivals, peak_to_trough=args.peak_to_trough,
                     burst_period_s=args.burst_period, burst_on_share=args.burst_on_share,
                     prompt_lengths=args.prompt_lengths, output_lengths=args.output_lengths,
                     fast_share=args.fast_share, fast_prompt_lengths=args.fast_prompt_lengths,
@@ -166,17 +170,26 @@ def compare_command(args, console: Console) -> None:
                          "drop --redis-url and --concurrency")
     trace = trace_of(args)
     saturated = at_rate(trace, args.saturated_rate / offered_rate(trace))
-    phases = {"continuous": (trace, "continuous"), "static": (trace, "static"),
-              "saturated": (saturated, "continuous"),
-              "saturated, normal lane alone": ([r for r in saturated if r.lane != "fast"], "continuous")}
     results: dict[str, RunResult] = {}
     reports = {}
-    for name, (requests, policy) in phases.items():
+
+    def phase(name: str, requests: list, policy: str) -> None:
         console.rule(f"{name}: {len(requests)} requests at {offered_rate(requests):.2f} req/s, --policy {policy}")
         results[name] = run_on_target(args, requests, console, ["--policy", policy])
         reports[name] = summarize(results[name])
         console.print(report_table(reports[name], name))
-    comparison = compare(*reports.values())
+
+    phase("saturated", saturated, "continuous")
+    phase("saturated, normal lane alone", [r for r in saturated if r.lane != "fast"], "continuous")
+    if args.rate is None:
+        rate = args.load_share * capacity(reports["saturated"])
+        console.print(f"capacity of the continuous worker: {capacity(reports['saturated']):.2f} req/s; "
+                      f"the policies are compared at {args.load_share:.0%} of it, {rate:.2f} req/s")
+        trace = at_rate(trace, rate / offered_rate(trace))
+    phase("continuous", trace, "continuous")
+    phase("static", trace, "static")
+    comparison = compare(reports["continuous"], reports["static"], reports["saturated"],
+                         reports["saturated, normal lane alone"])
     console.print(comparison_table(comparison))
     if args.out is not None:
         from ops.load import plots

@@ -224,7 +224,7 @@ def test_the_ratios_and_which_targets_they_meet():
     assert comparison.normal_loss == pytest.approx(1 - 90 / 95)
     assert comparison.total_to_normal_alone == pytest.approx(100 / 95)
     assert comparison.saturated
-    assert list(comparison.targets.values()) == [True, False, True, True, True]  # ITL: only 2x
+    assert list(comparison.targets.values()) == [True, False, True, True]  # ITL: only 2x
 
 
 def test_the_fast_lane_target_needs_a_saturated_worker():
@@ -294,15 +294,19 @@ def test_a_sweep_end_to_end(tmp_path):
 
 
 def test_compare_runs_both_policies_and_the_fast_lane_saturated_and_not(tmp_path):
-    out = load("compare", *TINY, "--count", "10", "--rate", "10", "--saturated-rate", "40", "--fast-share", "0.3",
-               "--out", str(tmp_path))
+    # No --rate: the policies get half of the capacity the saturated run measured.
+    out = load("compare", *TINY, "--count", "10", "--saturated-rate", "40", "--fast-share", "0.3",
+               "--load-share", "0.5", "--out", str(tmp_path))
     assert "continuous vs static" in out and "target: P99 TTFT at least 3x better" in out
     written = json.loads((tmp_path / "compare.json").read_text())
     runs = written["runs"]
-    assert list(runs) == ["continuous", "static", "saturated", "saturated, normal lane alone"]
+    assert list(runs) == ["saturated", "saturated, normal lane alone", "continuous", "static"]
     assert [runs[name]["lanes"]["all"]["requests"] for name in ("continuous", "static", "saturated")] == [10] * 3
     assert all(run["lanes"]["all"]["failed"] == 0 for run in runs.values())
     assert runs["saturated"]["offered_rate"] == pytest.approx(40)
+    capacity = runs["saturated"]["lanes"]["all"]["finished"] / runs["saturated"]["duration_s"]
+    assert runs["continuous"]["offered_rate"] == pytest.approx(0.5 * capacity)
+    assert runs["static"]["offered_rate"] == pytest.approx(0.5 * capacity)
     alone = runs["saturated, normal lane alone"]["lanes"]
     assert list(alone) == ["all", "normal"] and alone["normal"]["requests"] == runs["saturated"]["lanes"]["normal"][
         "requests"]

@@ -27,6 +27,8 @@ MAX_BACKLOG = 48  # per lane: about what two workers hold, so that submit refuse
 SAMPLE_EVERY = 40  # overload requests whose tokens are held against the undisturbed run
 CONSUMERS = 150  # live streams at once: more than redis-py's default pool of 100 connections
 
+pytestmark = pytest.mark.campaign  # run alone (make test): the overload test compares throughputs over time
+
 
 @pytest.fixture
 def aof_redis(tmp_path):
