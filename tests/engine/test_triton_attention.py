@@ -71,6 +71,8 @@ def attend_with(backend: str, block_size: int, tables, caches, inputs, window: i
     (8, 1, 40, torch.float16, 7),
     (16, 3, 64, torch.bfloat16, 7),
     (32, 1, 64, torch.bfloat16, None),
+    (16, 4, 128, torch.bfloat16, None),  # Llama-3-8B's heads: 32 over 8, head_dim 128
+    (16, 7, 128, torch.float16, 7),  # Qwen2-7B's: 28 over 4, a group that fills 14 of a tile's 16 rows
 ], ids=lambda value: str(value).removeprefix("torch."))
 def test_mixed_step_matches_the_cpu_paths(block_size, group, head_dim, dtype, window):
     step = packed_step(block_size, 2, group, head_dim, dtype)
