@@ -28,11 +28,14 @@ defined then; importing torch or transformers may import it).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETED = triton.knobs.runtime.interpret  # as triton.jit saw it defining the kernels below
+# As triton.jit sees it defining the kernels below (read from the environment: triton.knobs is recent).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 MIN_DOT_SIZE = 16  # tl.dot needs at least 16 rows, columns and inner dimension
 TILE_N = 32  # key positions per step of the KV walk
 LOG2_E = 1.4426950408889634
