@@ -29,8 +29,8 @@ prepare: $(STAMP)
 
 setup: prepare
 
-# The suite on both cores (work stealing: 260 s against 285 s with whole files per process, 2 cores),
-# then the fault campaign alone: its workers' throughput is compared across minutes, which a
+# The suite on both cores (work stealing: a long file does not leave the other process idle at the
+# end), then the fault campaign alone: its workers' throughput is compared across minutes, which a
 # neighbour would skew.
 test: prepare
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not campaign"
