@@ -132,14 +132,13 @@ class AttentionMetadata:
         query_start_loc = [0]
         for n in num_new:
             query_start_loc.append(query_start_loc[-1] + n)
-        max_blocks = max(len(t) for t in block_tables)
         # Index math on the host (small tensors), then one copy of each to the device.
-        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        tables = padded_tables(block_tables)
         new = torch.tensor(num_new)
         seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), new)
         starts = torch.tensor(query_start_loc[:-1])
         positions = torch.arange(query_start_loc[-1]) - starts[seq_of_token] + torch.tensor(num_computed)[seq_of_token]
-        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        slots = slot_mapping(tables, seq_of_token, positions, block_size)
 
         # Torch path: decodes sorted by length and cut into groups of bounded padded size: less
         # padding, and on CPU each group's gathered K/V stays in cache between gather and attention.
@@ -202,6 +201,19 @@ class AttentionMetadata:
                 mask &= kv > q_pos[..., None] - window
             self._masks[(key, window)] = mask
         return mask
+
+
+def padded_tables(block_tables: Sequence[Sequence[int]], num_rows: int | None = None) -> torch.Tensor:
+    """Block tables -> a host tensor [num_rows (default: one per table), longest table], padded with
+    block 0 (read only past a sequence's length, which no kernel does)."""
+    width = max(len(table) for table in block_tables)
+    rows = [list(table) + [0] * (width - len(table)) for table in block_tables]
+    return torch.tensor(rows + [[0] * width] * ((num_rows or len(rows)) - len(rows)), dtype=torch.long)
+
+
+def slot_mapping(tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The flat cache slot of each token: sequence `rows[i]`'s position `positions[i]`, through `tables`."""
+    return tables[rows, positions // block_size] * block_size + positions % block_size
 
 
 def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from worker.engine.attention import AttentionMetadata
+from worker.engine.attention import AttentionMetadata, padded_tables, slot_mapping
 
 BATCH_SIZES = (1, 2, 4, 8, *range(16, 1025, 16))  # as nano-vllm: fine steps where padding costs most
 
@@ -84,20 +84,20 @@ class DecodeGraphs:
         block_tables[i] -> logits [len(input_ids), vocab]."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        tables = torch.zeros(size, self.block_tables.shape[1], dtype=torch.long)
-        for i, table in enumerate(block_tables):
-            tables[i, :len(table)] = torch.tensor(table)
+        # Only the columns this step's tables fill are copied: a row's later columns may hold an
+        # earlier step's blocks, which attention never reads (nothing past a sequence's length).
+        tables = padded_tables(block_tables, size)
         positions = torch.tensor(num_computed, dtype=torch.long)
         slots = torch.full((size,), -1, dtype=torch.long)
-        slots[:n] = tables[torch.arange(n), positions // self.block_size] * self.block_size + positions % self.block_size
+        slots[:n] = slot_mapping(tables, torch.arange(n), positions, self.block_size)
         seq_lens = torch.ones(size, dtype=torch.long)
         seq_lens[:n] = positions + 1
-        # Whole buffers up to `size`: the padding rows left by a larger step are reset too.
+        # Rows up to `size`: the padding rows a larger step left are reset too.
         self.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slots[:size].copy_(slots, non_blocking=True)
         self.seq_lens[:size].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:size].copy_(tables, non_blocking=True)
+        self.block_tables[:size, :tables.shape[1]].copy_(tables, non_blocking=True)
         if self.graphs:
             graph, logits = self.graphs[size]
             graph.replay()
