@@ -10,6 +10,9 @@ progress (no new phase, no new output) for --stall-timeout seconds, and then pri
 last output and keeps its whole log.
 
     python -m ops.demo [--redis-url URL] [--model smollm2-135m] [--stall-timeout S]
+                       [--prompt TEXT ...] [--max-tokens N]
+
+With --prompt (repeatable) it streams your prompts instead of its own six.
 """
 
 from __future__ import annotations
@@ -49,11 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-timeout", type=float, default=600,
                         help="give up on a starting worker that shows no progress for this many seconds")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the prompts may take")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="a chat message of your own to stream (repeatable); replaces the demo's prompts")
+    parser.add_argument("--max-tokens", type=int, default=160, help="the most tokens per --prompt")
     args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error("--max-tokens must be at least 1")
+    prompts = chosen_prompts(args.prompt, args.max_tokens)
     console = Console()
     try:
         run(console, redis_url=args.redis_url, name=args.name, stall_timeout=args.stall_timeout,
-            timeout=args.timeout, worker_command=[sys.executable, "-m", "worker", "--model", args.model])
+            timeout=args.timeout, worker_command=[sys.executable, "-m", "worker", "--model", args.model],
+            prompts=prompts)
     except DemoError as error:
         console.print(f"[red]demo failed:[/] {escape(str(error))}")
         return 1
@@ -62,9 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def chosen_prompts(messages: list[str], max_tokens: int) -> list[tuple[str, str, dict]]:
+    """The user's messages as prompts (label, message, params), or the demo's own when none."""
+    return [(f"prompt {number}", message, {"max_tokens": max_tokens})
+            for number, message in enumerate(messages, 1)] or CHAT_PROMPTS
+
+
 def run(console: Console, *, redis_url: str | None, worker_command: list[str], name: str,
-        stall_timeout: float, timeout: float) -> None:
-    """`worker_command` gets `--redis-url URL --name NAME` appended."""
+        stall_timeout: float, timeout: float, prompts: list[tuple[str, str, dict]] = CHAT_PROMPTS) -> None:
+    """`worker_command` gets `--redis-url URL --name NAME` appended; `prompts` as CHAT_PROMPTS."""
     with tempfile.TemporaryDirectory(prefix="streambatch-demo-") as scratch, contextlib.ExitStack() as stack:
         url = stack.enter_context(redis_at(redis_url, Path(scratch), console))
         log = Path(scratch) / "worker.log"
@@ -73,8 +89,8 @@ def run(console: Console, *, redis_url: str | None, worker_command: list[str], n
         worker = stack.enter_context(running_process(command, log))
         try:
             took = wait_until_ready(url, name, worker, log, stall_timeout, console)
-            console.print(f"[bold]worker:[/] {name} is ready after {took:.1f} s; submitting {len(CHAT_PROMPTS)} prompts")
-            watched, wall = asyncio.run(_watch_while_alive(url, worker, log, console, timeout))
+            console.print(f"[bold]worker:[/] {name} is ready after {took:.1f} s; submitting {len(prompts)} prompts")
+            watched, wall = asyncio.run(_watch_while_alive(url, worker, log, console, prompts, timeout))
         except DemoError as error:
             raise DemoError(f"{error}\nthe worker's whole log: {keep(log)}") from None
         console.print()
@@ -173,11 +189,12 @@ def keep(log: Path) -> Path:
     return kept
 
 
-async def _watch_while_alive(url: str, worker: subprocess.Popen, log: Path, console: Console, timeout: float):
+async def _watch_while_alive(url: str, worker: subprocess.Popen, log: Path, console: Console,
+                             prompts: list[tuple[str, str, dict]], timeout: float):
     """Stream the prompts; if the worker dies meanwhile, say so at once instead of
     waiting for the streams to time out."""
     async with AsyncProducer(url) as producer:
-        watching = asyncio.ensure_future(watch_prompts(producer, CHAT_PROMPTS, console, timeout))
+        watching = asyncio.ensure_future(watch_prompts(producer, prompts, console, timeout))
         while not watching.done():
             await asyncio.wait([watching], timeout=0.5)
             if not watching.done() and worker.poll() is not None:

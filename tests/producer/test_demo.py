@@ -10,7 +10,7 @@ import pytest
 import redis
 from rich.console import Console
 
-from ops.demo import DemoError, redis_at, run
+from ops.demo import DemoError, chosen_prompts, redis_at, run
 from ops.demo_view import CHAT_PROMPTS, Watched, panels, percentile, summary
 from producer import DoneEvent
 from producer.protocol import Timings, Usage
@@ -37,6 +37,19 @@ def test_the_demo_runs_end_to_end_and_cleans_up():
     url = re.search(r"private redis-server at (\S+)", out).group(1)
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()  # stopped on the way out
+
+
+def test_your_own_prompts_replace_the_demos():
+    assert chosen_prompts([], 100) == CHAT_PROMPTS
+    screen = console()
+    mine = chosen_prompts(["Why is the sky blue today?", "Name three rivers in Europe."], 3)
+    run(screen, redis_url=None, worker_command=FAKE_WORKER, name="demo-mine", stall_timeout=30, timeout=60,
+        prompts=mine)
+    out = screen.file.getvalue()
+    assert "submitting 2 prompts" in out and "2 requests (0 failed)" in out
+    assert "prompt 1 · " in out and "prompt 2 · " in out and "capital" not in out
+    # the fake worker echoes a prompt's words, cut at max_tokens
+    assert "│ Why is the " in out and "│ Name three rivers " in out and out.count("length · 3 tokens") == 2
 
 
 def test_a_worker_that_dies_while_loading_is_reported_with_its_output(redis_url):
