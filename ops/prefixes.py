@@ -34,6 +34,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from ops.load.trace import read_jsonl
+from ops.tool import run_tool
 from producer.protocol import FIELD, LANES, Keys, Message, SamplingParams, connection_options, decode_request
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
@@ -96,11 +98,6 @@ class Coverage:
 
 
 # --- reading ---------------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[PromptRecord]:
-    decoder = msgspec.json.Decoder(PromptRecord)
-    return [decoder.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
-
-
 def read_streams(client: redis.Redis, keys: Keys, count: int) -> list[PromptRecord]:
     """The newest `count` entries of each lane stream; entries that do not decode are skipped."""
     records = []
@@ -363,15 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     console = Console(highlight=False)
+    return run_tool("prefixes", lambda: report(args, console), console)
+
+
+def report(args, console: Console) -> None:
     if args.eviction_check:
         check = eviction_check()
         if args.json:
             print(msgspec.json.encode(check).decode())
         else:
             print_eviction_check(check, console)
-        return 0
+        return
     if args.jsonl:
-        records = read_jsonl(args.jsonl)
+        records = read_jsonl(args.jsonl, PromptRecord)
     else:
         client = redis.Redis.from_url(args.redis_url, **connection_options())
         records = read_streams(client, Keys(args.prefix), args.count)
@@ -384,7 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         print(msgspec.json.encode(coverage_json(result, commands, args.top)).decode())
     else:
         print_coverage(result, commands, args.top, args.threshold, console)
-    return 0
 
 
 if __name__ == "__main__":

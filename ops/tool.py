@@ -1,5 +1,5 @@
 """How an ops tool's command ends: its expected failures (a deployment that would not start, a bad
-option, a file it cannot read) as one red line and exit status 1, Ctrl-C or SIGTERM as 130, after
+option, a file it cannot read, a Redis it cannot reach) as one red line and exit status 1, Ctrl-C or SIGTERM as 130, after
 the tool has stopped whatever it started (its context managers run on the way out)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 
+import redis
 from rich.console import Console
 from rich.markup import escape
 
@@ -17,7 +18,7 @@ def run_tool(name: str, action: Callable[[], None], console: Console) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop what it started, as on Ctrl-C
     try:
         action()
-    except (DemoError, ValueError, OSError) as error:
+    except (DemoError, ValueError, OSError, redis.RedisError) as error:
         console.print(f"[red]{name} failed:[/] {escape(str(error))}")
         return 1
     except KeyboardInterrupt:

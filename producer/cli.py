@@ -240,7 +240,8 @@ def _stats(producer: Producer, args, errors: Console) -> int:
 def _pin(producer: Producer, args, errors: Console) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system is not None else args.messages
     producer.pin(args.name, args.text, messages=messages, prompt_ids=args.ids)
-    errors.print(f"pinned {escape(args.name)}: every worker applies it within a heartbeat")
+    errors.print(f"pinned {escape(args.name)}: every worker applies it within a heartbeat, in whole KV blocks "
+                 "(a worker that cannot keep it logs pin.refused)")
     return 0
 
 

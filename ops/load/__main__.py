@@ -48,11 +48,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    traces = argparse.ArgumentParser(add_help=False)
-    group = traces.add_argument_group("trace (ops/load/trace.py)")
+    parser = argparse.ArgumentParser(prog="python -m ops.load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(required=True)
+    # Each command gets option parsers of its own: argparse shares a parent's option objects
+    # between its children, so one child's set_defaults would change the others' defaults.
+    command = commands.add_parser("trace", parents=[trace_options()], help="write a generated trace as JSONL")
+    command.add_argument("--out", type=Path, required=True, help="the JSONL file")
+    command.set_defaults(command=trace_command)
+    command = commands.add_parser("run", parents=[trace_options(), target_options(), run_options()],
+                                  help="one run, reported")
+    command.set_defaults(command=run_command)
+    command = commands.add_parser("sweep", parents=[trace_options(), target_options(), run_options()],
+                                  help="the trace at several loads")
+    command.add_argument("--rates", required=True, type=lambda text: [float(rate) for rate in text.split(",")],
+                         help="offered loads in requests/s, comma-separated")
+    command.set_defaults(command=sweep_command)
+    compare_rate = "mean arrivals per second of the policies' runs (default: --load-share of the measured capacity)"
+    command = commands.add_parser("compare", parents=[trace_options(rate=None, rate_help=compare_rate),
+                                                      target_options(COMPARE_WORKER_ARGS), run_options()],
+                                  help="continuous vs static")
+    command.add_argument("--saturated-rate", type=float, default=16.0,
+                         help="offered load of the fast-lane runs: above what the worker sustains")
+    command.add_argument("--load-share", type=float, default=LOAD_SHARE,
+                         help="without --rate: the policies' offered load as a share of the capacity the "
+                              "saturated run measured")
+    command.set_defaults(command=compare_command)
+    return parser
+
+
+def trace_options(rate: float | None = 6.0, rate_help: str = "mean arrivals per second") -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("trace (ops/load/trace.py)")
     group.add_argument("--trace", type=Path, help="replay this JSONL trace instead of generating one")
     group.add_argument("--count", type=int, default=80, help="requests")
-    group.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second")
+    group.add_argument("--rate", type=float, default=rate, help=rate_help)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--arrivals", choices=("poisson", "bursty"), default="poisson")
     group.add_argument("--peak-to-trough", type=float, default=10.0, help="bursty: peak rate / trough rate")
@@ -67,43 +97,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of requests that start with a shared system prompt")
     group.add_argument("--shared-prefix-tokens", type=int, default=64)
     group.add_argument("--num-prefixes", type=int, default=1, help="distinct shared system prompts")
+    return options
 
-    targets = argparse.ArgumentParser(add_help=False)
-    group = targets.add_argument_group("target")
+
+def target_options(worker_args: str = "") -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("target")
     group.add_argument("--redis-url", help="a live deployment (default: a private one)")
     group.add_argument("--metrics-url", action="append", default=[],
                        help="a live worker's /metrics URL, for its counters (repeat per worker)")
     group.add_argument("--prefix", default="sb", help="key prefix of the live deployment")
     group.add_argument("--model", default="smollm2-135m", help="the private worker's model")
-    group.add_argument("--worker-args", default="",
-                       help=f"the private worker's other flags, as one string (compare: '{COMPARE_WORKER_ARGS}')")
+    group.add_argument("--worker-args", default=worker_args, help="the private worker's other flags, as one string (default: %(default)r)")
+    return options
 
-    runs = argparse.ArgumentParser(add_help=False)
-    group = runs.add_argument_group("run")
+
+def run_options() -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("run")
     group.add_argument("--concurrency", type=int, help="closed loop with this many clients (arrivals ignored)")
     group.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     group.add_argument("--out", type=Path, help="write JSON reports and PNG plots to this directory")
-
-    parser = argparse.ArgumentParser(prog="python -m ops.load", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(required=True)
-    command = commands.add_parser("trace", parents=[traces], help="write a generated trace as JSONL")
-    command.add_argument("--out", type=Path, required=True, help="the JSONL file")
-    command.set_defaults(command=trace_command)
-    command = commands.add_parser("run", parents=[traces, targets, runs], help="one run, reported")
-    command.set_defaults(command=run_command)
-    command = commands.add_parser("sweep", parents=[traces, targets, runs], help="the trace at several loads")
-    command.add_argument("--rates", required=True, type=lambda text: [float(rate) for rate in text.split(",")],
-                         help="offered loads in requests/s, comma-separated")
-    command.set_defaults(command=sweep_command)
-    command = commands.add_parser("compare", parents=[traces, targets, runs], help="continuous vs static")
-    command.add_argument("--saturated-rate", type=float, default=16.0,
-                         help="offered load of the fast-lane runs: above what the worker sustains")
-    command.add_argument("--load-share", type=float, default=LOAD_SHARE,
-                         help="without --rate: the policies' offered load as a share of the capacity the "
-                              "saturated run measured")
-    command.set_defaults(command=compare_command, worker_args=COMPARE_WORKER_ARGS, rate=None)
-    return parser
+    return options
 
 
 def trace_of(args) -> list:

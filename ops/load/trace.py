@@ -21,11 +21,13 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
 from producer.protocol import Lane
+
+T = TypeVar("T")
 
 ArrivalPattern = Literal["poisson", "bursty"]
 # Ids every model we ship knows (the tiny random ones have 512) and none treats as special.
@@ -135,20 +137,24 @@ def offered_rate(trace: list[TraceRequest]) -> float:
     return len(trace) / span if span > 0 else math.inf
 
 
-_decoder = msgspec.json.Decoder(TraceRequest)
 _encoder = msgspec.json.Encoder()
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
-    """One JSON object per line (blank lines skipped); a bad line is named in the error."""
-    trace = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    return read_jsonl(path, TraceRequest)
+
+
+def read_jsonl(path: str | Path, type_: type[T]) -> list[T]:
+    """One JSON object of `type_` per line (blank lines skipped); a bad line is named in the error."""
+    decoder = msgspec.json.Decoder(type_)
+    items = []
+    for number, line in enumerate(Path(path).read_bytes().splitlines(), 1):
         if line.strip():
             try:
-                trace.append(_decoder.decode(line))
+                items.append(decoder.decode(line))
             except msgspec.DecodeError as error:
                 raise ValueError(f"{path}:{number}: {error}") from None
-    return trace
+    return items
 
 
 def write_trace(path: str | Path, trace: list[TraceRequest]) -> None:

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from ops.demo import free_port, wait_until_ready
 from ops.demo_view import percentile
+from ops.load.__main__ import COMPARE_WORKER_ARGS, build_parser
 from ops.load.compare import compare
 from ops.load.report import ALL, LaneReport, Percentiles, Report, latencies, summarize
 from ops.load.runner import RequestRecord, RunResult, WorkerSample
@@ -31,6 +32,16 @@ def test_the_same_seed_gives_the_same_trace_and_another_seed_another():
     assert generate(50, 4.0, seed=7, **options) == generate(50, 4.0, seed=7, **options)
     assert generate(50, 4.0, seed=7, **options) != generate(50, 4.0, seed=8, **options)
 
+
+def test_the_comparisons_defaults_stay_its_own():
+    parser = build_parser()
+    parse = parser.parse_args
+    compared = parse(["compare"])
+    assert compared.rate is None and compared.worker_args == COMPARE_WORKER_ARGS
+    for others in (["trace", "--out", "t.jsonl"], ["run"], ["sweep", "--rates", "1,2"]):
+        options = parse(others)
+        assert options.rate == 6.0, others
+        assert getattr(options, "worker_args", "") == "", others
 
 def test_poisson_arrivals_come_at_the_rate_with_exponential_gaps():
     import random

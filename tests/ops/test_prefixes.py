@@ -127,6 +127,20 @@ def test_the_tool_on_a_trace_recommends_the_command(tmp_path, capsys):
     assert "recommendation: the top prefix covers" in capsys.readouterr().out
 
 
+def test_a_file_it_cannot_read_or_a_redis_it_cannot_reach_is_one_line_and_status_1(tmp_path, capsys):
+    def said() -> str:  # rich wraps at the terminal's width
+        return " ".join(capsys.readouterr().out.split())
+
+    assert main(["--jsonl", str(tmp_path / "missing.jsonl")]) == 1
+    assert "prefixes failed: [Errno 2] No such file or directory" in said()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1,\n')
+    assert main(["--jsonl", str(bad)]) == 1
+    assert f"prefixes failed: {bad}:2: " in said()
+    assert main(["--redis-url", "redis://127.0.0.1:1/0"]) == 1
+    assert "prefixes failed: Error 111 connecting to 127.0.0.1:1" in said()
+
+
 def test_the_eviction_check_pinned_keeps_every_block_unpinned_loses_them():
     check = eviction_check(num_blocks=48, prefix_blocks=2, flood_requests=16, flood_tokens=100, later_requests=2)
     pinned, unpinned = check.runs
