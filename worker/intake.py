@@ -54,13 +54,18 @@ def decode_entry(entry: Entry) -> Request | Rejected:
         return Rejected(f"invalid request: {error}", usable_id(data))
 
 
+class _IdOnly(msgspec.Struct):
+    """A request's id alone: decoding skips the other fields, whatever is wrong with them."""
+
+    id: Any = None
+
+
 def usable_id(data: bytes) -> str | None:
     """The id of an entry that failed strict decoding, if it is a map with a well-formed id."""
     try:
-        message = msgspec.msgpack.decode(data)
+        request_id = msgspec.msgpack.decode(data, type=_IdOnly).id
     except (msgspec.DecodeError, RecursionError):  # garbage, or nesting deep enough to exhaust the stack
         return None
-    request_id = message.get("id") if isinstance(message, dict) else None
     return request_id if isinstance(request_id, str) and REQUEST_ID.fullmatch(request_id) else None
 
 

@@ -75,6 +75,7 @@ class Worker:
         self.own_pins = {f"--pin-prefix:{i + 1}": encode(Request(prompt=text))
                          for i, text in enumerate(config.pin_prefix)}
         self.pins_seen: dict[str, bytes] = {}  # name -> the value applied (or refused) last
+        self.pins_unreadable = False  # Keys.pins is not a hash (said once)
         self.flights: dict[str, Flight] = {}
         self.next_housekeeping = 0.0
         self.housekeeping_rounds = 0
@@ -171,7 +172,7 @@ class Worker:
         """Make the engine's pins this worker's own plus those published (`Keys.pins`): a pin that
         went or changed is unpinned, a new one pinned. One that cannot be is logged once, and tried
         again when another pin makes room or its value changes."""
-        published = {name.decode(): value for name, value in self.client.hgetall(self.keys.pins).items()}
+        published = self.published_pins()
         wanted = published | self.own_pins
         gone = [name for name, value in self.pins_seen.items() if wanted.get(name) != value]
         for name in gone:
@@ -191,6 +192,19 @@ class Worker:
             else:
                 self.log.info("pin.applied", pin=name, blocks=blocks)
         self.metrics.pinned_blocks.set(self.engine.pool.num_pinned_blocks)
+
+    def published_pins(self) -> dict[str, bytes]:
+        """`Keys.pins`, or nothing while it is not a hash (told once); names that are not UTF-8 are
+        kept as best decoded, so that the value's own check refuses or applies them."""
+        try:
+            published = self.client.hgetall(self.keys.pins)
+        except redis.ResponseError as error:  # WRONGTYPE: someone wrote over the key
+            if not self.pins_unreadable:
+                self.log.warning("pins.unreadable", key=self.keys.pins, reason=str(error))
+            self.pins_unreadable = True
+            return {}
+        self.pins_unreadable = False
+        return {name.decode(errors="replace"): value for name, value in published.items()}
 
     def keep_alive(self, flights: list[Flight]) -> None:
         """During a long step (StepWatch's thread): refresh the step's claims, extend the heartbeat."""
@@ -243,6 +257,10 @@ class Worker:
                     emitted_token_ids=emitted)
             except PromptError as error:
                 self.refuse(flight, "invalid_request", str(error))
+                return
+            except Exception as error:  # a request the engine cannot take must not fail everyone's turn
+                flight.log.exception("request.unservable")
+                self.refuse(flight, "internal", f"the worker could not start this request: {error!r}")
                 return
             flight.log.info("request.started", attempt=claim.attempt, lane=flight.sequence.lane,
                             resumed_tokens=len(emitted))

@@ -38,6 +38,8 @@ def test_a_valid_request_decodes():
     ({FIELD: pack({"id": "two", "prompt": "a", "prompt_ids": [5]})}, "two", "exactly one of"),
     ({FIELD: pack({"id": "u", "prompt_ids": [5], "sneaky": 1})}, "u", "unknown field `sneaky`"),
     ({FIELD: pack({"id": "v", "prompt_ids": [5], "v": 2})}, "v", "unsupported protocol version"),
+    # a surrogate in CESU-8 (what some other languages' encoders write): not UTF-8
+    ({FIELD: b"\x82\xa2id\xa4utf8\xa6prompt\xa3\xed\xa0\x80"}, "utf8", "invalid request"),
 ])
 def test_a_bad_entry_is_rejected_with_its_reason_and_the_id_when_usable(fields, request_id, reason):
     rejected = decode_entry(entry(fields))

@@ -9,8 +9,8 @@ import pytest
 import structlog
 
 from producer import AsyncProducer, Producer
-from producer.protocol import DoneEvent, Request, decode_request
-from tests.worker.conftest import KEYS, greedy, prompts_of, replay, run_until, submit
+from producer.protocol import DoneEvent, Request, decode_request, encode
+from tests.worker.conftest import KEYS, greedy, offline, prompts_of, replay, run_until, submit, tokens_of
 from worker.engine.models import load_model
 
 SYSTEM = list(range(100, 148))  # three KV blocks of 16
@@ -65,6 +65,23 @@ def test_a_pin_that_does_not_fit_is_logged_once_and_tried_again_when_room_is_mad
     worker.housekeeping()
     assert list(worker.engine.pins) == ["second"]
 
+
+
+def test_pins_written_over_by_hand_are_logged_and_the_worker_keeps_serving(make_worker, client, model):
+    worker = make_worker(engine_options={"num_blocks": 64, "max_model_len": 256})
+    client.hset(KEYS.pins, b"\xff\xfe", encode(Request(prompt_ids=SYSTEM)))  # a name that is not UTF-8
+    worker.housekeeping()
+    assert list(worker.engine.pins.values()) == [SYSTEM]
+    client.delete(KEYS.pins)
+    client.set(KEYS.pins, b"not a hash")
+    with structlog.testing.capture_logs() as logs:
+        worker.housekeeping()
+        worker.housekeeping()
+        submit(client, Request(id="served", prompt_ids=[5, 6, 7], params=greedy(3)))
+        run_until([worker], lambda: not worker.flights and not client.xlen(KEYS.requests("normal")))
+    assert [entry["event"] for entry in logs if entry["event"].startswith(("pins.", "worker.turn"))] == ["pins.unreadable"]
+    assert worker.engine.pins == {}  # the key no longer holds the pin
+    assert tokens_of(replay(client, "served")) == offline(model, [[5, 6, 7]], [greedy(3)])[0]
 
 def test_a_pin_published_again_replaces_the_old_prefix(make_worker, producer):
     worker = make_worker()

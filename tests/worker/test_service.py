@@ -7,9 +7,10 @@ import time
 import msgspec
 import pytest
 import redis
+import structlog
 
 from producer import EventsLost, Producer
-from producer.protocol import FIELD, GROUP, LANES, DoneEvent, ErrorEvent, Request, decode_event, encode
+from producer.protocol import FIELD, GROUP, LANES, DoneEvent, ErrorEvent, Request, TokenEvent, decode_event, encode
 
 from .conftest import (
     KEYS,
@@ -394,6 +395,47 @@ def test_a_request_whose_keys_are_damaged_is_dead_lettered_its_consumers_told_an
         with pytest.raises(EventsLost, match=f"request {request_id} was dead-lettered: "):
             producer.result(request_id, timeout=5)
     assert producer.result("good", timeout=5).finish_reason == "length"
+
+
+@pytest.mark.parametrize("ids", [[-1], [2**40], [5] * 4])
+def test_resumed_tokens_a_model_cannot_take_end_that_request_alone(make_worker, client, model, redis_url, ids):
+    """Token ids in a replay stream are input too (anyone with write access can put them there):
+    outside the vocabulary, or more than max_tokens of them, used to fail every turn forever."""
+    producer = Producer(redis_url)
+    producer.submit(prompt_ids=[5, 6], params=greedy(3), request_id="spoiled")
+    client.xadd(KEYS.replay("spoiled"), {FIELD: encode(TokenEvent(0, 1, ids, ""))})
+    producer.submit(prompt_ids=[5, 6, 7], params=greedy(3), request_id="good")
+    worker = make_worker()
+    with structlog.testing.capture_logs() as logs:
+        run_until([worker], lambda: backlog(client) == 0 and not worker.flights)
+
+    *_, error = replay(client, "spoiled")
+    assert isinstance(error, ErrorEvent) and error.code == "invalid_request" and "resumed token ids" in error.message
+    assert tokens_of(replay(client, "good")) == offline(model, [[5, 6, 7]], [greedy(3)])[0]
+    assert not [entry for entry in logs if entry["event"] == "worker.turn_failed"]
+
+
+def test_a_request_the_engine_cannot_start_ends_alone_with_an_internal_error(make_worker, client, model,
+                                                                               monkeypatch):
+    worker = make_worker()
+    add_request = worker.engine.add_request
+
+    def fails_for_one(request_id, **options):
+        if request_id == "unlucky":
+            raise RuntimeError("an engine bug")
+        return add_request(request_id, **options)
+
+    monkeypatch.setattr(worker.engine, "add_request", fails_for_one)
+    submit(client, Request(id="unlucky", prompt_ids=[5, 6], params=greedy(3)))
+    submit(client, Request(id="good", prompt_ids=[5, 6, 7], params=greedy(3)))
+    with structlog.testing.capture_logs() as logs:
+        run_until([worker], lambda: backlog(client) == 0 and not worker.flights)
+
+    [error] = replay(client, "unlucky")
+    assert error.code == "internal" and "an engine bug" in error.message
+    assert tokens_of(replay(client, "good")) == offline(model, [[5, 6, 7]], [greedy(3)])[0]
+    assert not [entry for entry in logs if entry["event"] == "worker.turn_failed"]
+    assert [entry["event"] for entry in logs if entry.get("request_id") == "unlucky"][:1] == ["request.unservable"]
 
 
 def test_a_step_longer_than_the_reclaim_threshold_keeps_its_claims_and_heartbeat(make_worker, client):

@@ -34,7 +34,7 @@ from worker.engine.blocks import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detok import IncrementalDetokenizer
 from worker.engine.disk_cache import Phase, quiet
-from worker.engine.inputs import PromptError, encode_prompt
+from worker.engine.inputs import PromptError, check_token_ids, encode_prompt
 from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
 from worker.engine.outputs import RequestOutput, timings_of, token_logprob, usage_of
 from worker.engine.plan import StepPlan
@@ -114,6 +114,10 @@ class Engine:
         token_ids = encode_prompt(self.tokenizer, prompt=prompt, messages=messages, prompt_ids=prompt_ids,
                                   max_prompt_tokens=room, truncate=self.config.truncate,
                                   vocab_size=self.info.vocab_size)
+        # Emitted ids come from a replay stream: one damaged there must not reach the tokenizer or model.
+        emitted_token_ids = check_token_ids(emitted_token_ids, self.info.vocab_size, "resumed token ids")
+        if len(emitted_token_ids) > params.max_tokens:
+            raise PromptError(f"{len(emitted_token_ids)} resumed token ids, more than max_tokens ({params.max_tokens})")
         seq = Sequence(request_id, token_ids, params, eos_token_ids=self.info.eos_token_ids)
         seq.token_ids.extend(emitted_token_ids)
         detokenizer = None

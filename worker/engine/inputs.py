@@ -101,9 +101,14 @@ def _check_ids(prompt_ids: Any, vocab_size: int) -> list[int]:
         raise PromptError(f"prompt_ids must be a list of ints, got {type(prompt_ids).__name__}")
     if not prompt_ids:
         raise PromptError("prompt_ids is empty")
-    for i, token in enumerate(prompt_ids):
+    return check_token_ids(prompt_ids, vocab_size, "prompt_ids")
+
+
+def check_token_ids(ids: Any, vocab_size: int, name: str) -> list[int]:
+    """`ids` (called `name` in the error) as a list, if each is an int in the vocabulary."""
+    for i, token in enumerate(ids):
         if isinstance(token, bool) or not isinstance(token, int):
-            raise PromptError(f"prompt_ids[{i}] must be an int, got {token!r}")
+            raise PromptError(f"{name}[{i}] must be an int, got {token!r}")
         if not 0 <= token < vocab_size:
-            raise PromptError(f"prompt_ids[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
-    return list(prompt_ids)
+            raise PromptError(f"{name}[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
+    return list(ids)
