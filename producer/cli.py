@@ -7,7 +7,8 @@
 
 Text goes to stdout as it arrives (pipe-friendly); ids, summaries, logprobs and errors go
 to stderr. Exit status: 0 done, 1 the request ended in an error or the producer refused /
-failed / timed out, 2 bad command line, 130 interrupted.
+failed / timed out, 2 bad command line, 130 interrupted, 141 stdout closed early (`| head`).
+Every failure is one `error:` line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 
 import msgspec
+import redis
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -32,22 +34,45 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     errors = Console(stderr=True, highlight=False)
     try:
-        with Producer(args.redis_url, prefix=args.prefix) as producer:
-            return args.run(producer, args, errors)
+        producer = Producer(args.redis_url, prefix=args.prefix)
+    except ValueError as error:  # redis-py's word on a URL it cannot parse
+        errors.print(f"[red]error:[/] bad --redis-url {escape(repr(args.redis_url))}: {escape(str(error))}")
+        return 1
+    try:
+        with producer:
+            status = args.run(producer, args, errors)
+            sys.stdout.flush()  # a reader gone away shows here, not as noise at exit
+            return status
     except Disconnected as error:
-        errors.print(f"[red]error:[/] cannot reach Redis at {args.redis_url}: {escape(str(error))}")
+        errors.print(f"[red]error:[/] cannot reach Redis at {escape(args.redis_url)}: {escape(str(error))}")
     except (ProducerError, TimeoutError) as error:
         errors.print(f"[red]error:[/] {escape(str(error))}")
+    except redis.RedisError as error:  # e.g. an out-of-range DB index, a refused AUTH
+        errors.print(f"[red]error:[/] Redis at {escape(args.redis_url)} refused: {escape(str(error))}")
+    except BrokenPipeError:
+        return _stdout_closed()
     except KeyboardInterrupt:
         return 130
     return 1
 
 
+def _stdout_closed() -> int:
+    """stdout's reader went away (`... | head`): exit quietly as well-behaved CLIs do, with
+    128 + SIGPIPE, and point stdout at /dev/null so that Python's flush at exit stays quiet too."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to flush at exit
+        pass
+    return 141
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__.split("\n")[0])
-    parser.add_argument("--redis-url", default=os.environ.get("STREAMBATCH_REDIS_URL", DEFAULT_URL),
+    parser.add_argument("--redis-url", default=os.environ.get("STREAMBATCH_REDIS_URL", DEFAULT_URL), type=_utf8,
                         help="default: $STREAMBATCH_REDIS_URL or %(default)s")
-    parser.add_argument("--prefix", default="sb", help="key prefix shared with the workers")
+    parser.add_argument("--prefix", default="sb", type=_utf8, help="key prefix shared with the workers")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     submit = commands.add_parser("submit", help="enqueue a request; print its id, or --stream it")
@@ -100,6 +125,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _utf8(value: str) -> str:
+    """Text that goes into connection settings or key names as is. (Prompt text is the
+    producer's to refuse: InvalidRequest names the field.)"""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8: {value!r:.80}") from None
+    return value
+
+
 def _messages(value: str) -> list[dict]:
     try:
         return msgspec.json.decode(value)
@@ -131,6 +166,9 @@ def _submit(producer: Producer, args, errors: Console) -> int:
         producer.cancel(handle.id)  # nobody is left to read it: free the worker
         errors.print(f"\n[yellow]interrupted: cancelled {handle.id}[/]")
         return 130
+    except BrokenPipeError:
+        producer.cancel(handle.id)  # likewise
+        raise
 
 
 def _stream(producer: Producer, args, errors: Console) -> int:

@@ -42,7 +42,7 @@ from producer.protocol import (FIELD, GROUP, LANES, Event, Keys, Request, Submis
                                decode_request, decode_submission, encode)
 from producer.sequencer import EventSequencer
 from producer.stats import LaneStats, QueueStats, parse_heartbeat
-from producer.submission import choose_lane
+from producer.submission import choose_lane, encoded
 
 # How long an id stays taken by a submit that has not enqueued yet: a producer that dies
 # between taking the id and enqueueing frees it (and ends its consumers' streams) this soon.
@@ -129,7 +129,9 @@ class ProducerCore:
         checks the backlog, then enqueues and marks the id queued in one MULTI. Refused with
         QueueFull, it frees the id. A MULTI runs whole or not at all, so after a lost connection
         the claim tells whether it ran: the next round finds it queued by us (done), still ours
-        (enqueue again) or lapsed (take it again)."""
+        (enqueue again) or lapsed (take it again). A request that cannot be encoded is refused
+        (InvalidRequest) before anything reaches Redis."""
+        entry = encoded(request)
         lane = choose_lane(request)
         stream = self.keys.requests(lane)
         yield from self._ensure_group(stream)
@@ -152,7 +154,7 @@ class ProducerCore:
                 yield Call((command("delete", claim),))
                 raise QueueFull(lane, backlog, self.max_backlog)
             try:
-                yield Call((command("xadd", stream, {FIELD: encode(request)}),
+                yield Call((command("xadd", stream, {FIELD: entry}),
                             command("set", claim, encode(Submission(lane, by=token)), xx=True, ex=self.claim_ttl)),
                            transaction=True)
                 return lane, False
@@ -180,7 +182,7 @@ class ProducerCore:
             names += batch
             if cursor == 0:
                 break
-        names = sorted(set(names))
+        names = sorted({name for name in names if _is_utf8(name)})  # not one of ours: skipped, the rest shown
         kinds = (yield Call(tuple(command("type", name) for name in names))) if names else []
         heartbeats = [(name, kind) for name, kind in zip(names, kinds) if kind in (b"hash", b"string")]
         values = (yield Call(tuple(command("hgetall" if kind == b"hash" else "get", name)
@@ -193,7 +195,8 @@ class ProducerCore:
     def pin(self, prefix: Request) -> Flow:
         """Publish a prefix for every worker to keep pinned, named by the request's id (Keys.pins);
         a name pinned again gets the new prefix."""
-        yield Call((command("hset", self.keys.pins, prefix.id, encode(prefix)),))
+        entry = encoded(prefix)
+        yield Call((command("hset", self.keys.pins, prefix.id, entry),))
 
     def unpin(self, name: str) -> Flow:
         """-> whether a prefix of that name was published."""
@@ -322,6 +325,14 @@ def _readable(value, key: str):
     if isinstance(value, Exception):
         raise ProtocolViolation(f"{key} is unreadable: {value}")
     return value
+
+
+def _is_utf8(name: bytes) -> bool:
+    try:
+        name.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _is_subscribe(message: dict | None) -> bool:

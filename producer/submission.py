@@ -22,6 +22,7 @@ BYTES_PER_TOKEN = 3
 MESSAGE_OVERHEAD_TOKENS = 8  # role markers and separators a chat template adds per message
 
 _MSGSPEC_PATH = re.compile(r"(.*) - at `\$\.?(.*)`", re.DOTALL)
+INT_MIN, INT_MAX = -2**63, 2**64 - 1  # what a msgpack integer holds
 
 
 def build_request(
@@ -42,19 +43,55 @@ def build_request(
                  ("deadline", deadline)) if value is not None]
         if given:
             raise InvalidRequest(f"invalid request: pass a ready Request alone, not with {given}")
-        request = _strict(lambda: decode_request(encode(prompt)))
+        data = encoded(prompt)
+        request = _strict(lambda: decode_request(data))
     else:
         fields: dict[str, Any] = {"prompt": prompt, "messages": messages, "prompt_ids": prompt_ids,
                                   "params": params, "lane": lane, "id": request_id,
                                   "deadline": deadline}
         request = _strict(lambda: msgspec.convert(
             {name: value for name, value in fields.items() if value is not None}, Request))
+        encoded(request)  # what validates but cannot go on the wire is refused here too
     if request.prompt == "" or request.messages == [] or request.prompt_ids == []:
         raise InvalidRequest("invalid request: the prompt is empty")
     if request.deadline is not None and request.deadline <= time.time():
         raise InvalidRequest(f"invalid request: deadline {request.deadline} is in the past "
                              "(it is unix seconds, e.g. time.time() + 30)")
     return request
+
+
+def encoded(request: Request) -> bytes:
+    """The request as it goes on the wire. Refuses with InvalidRequest, naming the field, what
+    passes validation but cannot be encoded: an integer beyond msgpack's 64 bits, text that is
+    not UTF-8 (a lone surrogate, as non-UTF-8 bytes decode with surrogateescape)."""
+    try:
+        return encode(request)
+    except (OverflowError, UnicodeEncodeError, msgspec.EncodeError) as error:
+        found = _unencodable(msgspec.to_builtins(request), "")
+        raise InvalidRequest(f"invalid request: {found or error}") from None
+
+
+def _unencodable(value: Any, path: str) -> str | None:
+    """Where in the request's builtins (`msgspec.to_builtins`) the encoder fails, and why."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if INT_MIN <= value <= INT_MAX:
+            return None
+        shown = str(value) if value.bit_length() <= 128 else f"{'-' if value < 0 else ''}2**{value.bit_length() - 1}+"
+        return f"{path}: {shown} is out of range (integers must be within [-2**63, 2**64 - 1])"
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as error:
+            return (f"{path}: not valid UTF-8 text: {error.reason} "
+                    f"(at position {error.start}: {value[error.start:min(error.end, error.start + 8)]!r})")
+        return None
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    return next((found for where, item in items if (found := _unencodable(item, where))), None)
 
 
 def estimate_prompt_tokens(request: Request) -> int:

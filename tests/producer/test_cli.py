@@ -1,7 +1,12 @@
 """python -m producer, run in-process (main(argv)) against the private server."""
 
+import io
 import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import redis
@@ -11,6 +16,7 @@ from producer.protocol import Keys, TokenEvent, TokenLogprob, TopLogprob
 from tests.producer.fake_worker import FakeWorker, done, error, running, token
 
 KEYS = Keys("sb")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_submit_prints_the_id_and_enqueues_with_the_flags(cli, redis_url):
@@ -118,3 +124,75 @@ def test_submit_asks_for_logprobs_and_result_and_stream_print_them_per_token(cli
     assert json.loads(out)["logprobs"] == [
         {"logprob": -0.105, "text": " blue", "top": [[5, -0.105, " blue"], [9, -2.5, " [red]"]]},
         {"logprob": -1.5, "top": [[4, -0.5, ""], [6, -1.5, ""]]}]
+
+
+def one_error_line(err: str) -> str:
+    """The CLI's whole complaint: one `error:` line (wrapped by the console), no traceback."""
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    return " ".join(err.split())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("submit", "x", "--max-tokens", "99999999999999999999999", "--id", "huge"),
+     "invalid request: params.max_tokens: 99999999999999999999999 is out of range"),
+    (("pin", "huge", "--ids", "1,99999999999999999999999"),
+     "invalid request: prompt_ids[1]: 99999999999999999999999 is out of range"),
+    (("submit", b"caf\xe9".decode(errors="surrogateescape"), "--id", "latin1"),  # a Latin-1 argv
+     r"invalid request: prompt: not valid UTF-8 text: surrogates not allowed (at position 3: '\udce9')"),
+    (("submit", "\udce9", "--chat", "--id", "latin1"), "invalid request: messages[0].content: not valid UTF-8"),
+    (("pin", "latin1", "--system", "\udce9"), "invalid request: messages[0].content: not valid UTF-8"),
+])
+def test_unencodable_input_is_one_clear_line_and_leaves_nothing_in_redis(cli, redis_url, argv, message):
+    status, out, err = cli(*argv)
+    assert status == 1 and out == "" and message in one_error_line(err)
+    assert redis.Redis.from_url(redis_url).keys("*") == []  # refused before the id was claimed
+
+
+def test_a_bad_redis_url_is_one_clear_line(capsys, redis_url):
+    assert main(["--redis-url", "foo://x", "stats"]) == 1
+    assert "error: bad --redis-url 'foo://x': Redis URL must specify one of the following schemes" in \
+        one_error_line(capsys.readouterr().err)
+    assert main(["--redis-url", redis_url.rsplit("/", 1)[0] + "/99", "submit", "x"]) == 1  # no DB 99
+    assert "refused: DB index is out of range" in one_error_line(capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exited:  # a non-UTF-8 URL or prefix: a bad command line
+        main(["--redis-url", redis_url, "--prefix", "\udcff", "stats"])
+    assert exited.value.code == 2 and "argument --prefix: not valid UTF-8: '\\udcff'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [("stats",), ("submit", "x"), ("pins",), ("cancel", "some-id")])
+def test_an_unreachable_redis_is_one_clear_line_for_every_command(capsys, argv):
+    assert main(["--redis-url", "redis://127.0.0.1:1/0", *argv]) == 1
+    assert "error: cannot reach Redis at redis://127.0.0.1:1/0" in one_error_line(capsys.readouterr().err)
+
+
+def test_stats_skips_a_worker_key_that_is_not_utf8(cli, redis_url):
+    redis.Redis.from_url(redis_url).set(b"sb:worker:\xff", b"x", ex=30)
+    FakeWorker(redis_url, name="w-ok").heartbeat()
+    status, out, err = cli("stats")
+    assert status == 0 and "w-ok" in out and err == ""
+    status, out, _ = cli("stats", "--json")
+    assert status == 0 and [worker["name"] for worker in json.loads(out)["workers"]] == ["w-ok"]
+
+
+def test_a_closed_stdout_exits_quietly(redis_url, monkeypatch, capsys):
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+    cli_args = ["--redis-url", redis_url]
+    assert main([*cli_args, "pin", "p", "--text", "hi"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main([*cli_args, "pins", "--json"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_a_closed_stdout_pipe_exits_141_without_noise(redis_url):
+    """`python -m producer pins --json | head -c0`: the reader is gone before the first write."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "producer", "--redis-url", redis_url, "pins", "--json"],
+                              stdout=write_end, stderr=subprocess.PIPE, cwd=ROOT, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, b"")
