@@ -19,13 +19,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level)
     # only now: --help and a bad flag answer at once, without loading torch and transformers
+    import redis
     import torch
 
     from worker.service import Worker
 
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    worker = Worker(config)
+    try:
+        worker = Worker(config)
+    except (ValueError, OSError, redis.RedisError) as error:  # a model, URL or password it cannot use, a port in use
+        print(f"python -m worker: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # while loading, or waiting for Redis
+        return 130
 
     def on_signal(signum: int, frame: object) -> None:
         if signum == signal.SIGINT and worker.stopping:

@@ -57,6 +57,8 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (self.replay_ttl >= 1, f"replay_ttl must be >= 1 s, got {self.replay_ttl}"),
             (self.dead_letter_ttl >= 1, f"dead_letter_ttl must be >= 1 s, got {self.dead_letter_ttl}"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
+            (self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+             f"metrics_port must be in [0, 65535], got {self.metrics_port}"),
         ]
         problems = [message for ok, message in checks if not ok]
         if problems:

@@ -20,6 +20,7 @@ spaced out, up to MAX_RETRY_S apart. A failed engine step is the engine's to rec
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import msgspec
@@ -63,6 +64,7 @@ class Worker:
         if config.replay_maxlen <= self.engine.max_model_len:
             raise ValueError(f"replay_maxlen ({config.replay_maxlen}) must exceed the model length "
                              f"({self.engine.max_model_len}): every event of a request must stay replayable")
+        self.wait_for_redis()
         blocking = redis.Redis.from_url(config.redis_url, **connection_options(blocking_ms=config.block_ms))
         self.intake = Intake(self.client, blocking, self.keys, config.name)
         self.claims = Claims(self.client, self.keys, config.name, config.replay_ttl, config.reclaim_idle_ms)
@@ -85,6 +87,23 @@ class Worker:
         self.drain_until: float | None = None
         self.done = False
         self.health.state = "ready"  # the engine is loaded and Redis answered (ensure_groups)
+
+    def wait_for_redis(self) -> None:
+        """A Redis that is not up yet, or restarting, is waited for (saying so once), not a reason
+        to exit: a worker started with or before its Redis comes up when it does. A refused
+        password is no such wait: it raises."""
+        delay = RETRY_S
+        for waits in itertools.count():
+            try:
+                self.client.ping()
+                return
+            except redis.AuthenticationError:
+                raise
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                if waits == 0:
+                    self.log.warning("worker.waiting_for_redis", error=str(error))
+                time.sleep(delay)
+                delay = min(MAX_RETRY_S, delay * 2)
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> None:

@@ -35,6 +35,8 @@ def test_every_engine_option_is_a_flag_of_the_same_name():
     (["--policy", "sometimes"], "--policy: Invalid enum value 'sometimes'"),
     (["--metrics-port", "eighty"], "metrics_port"),
     (["--heartbeat-interval", "5", "--reclaim-idle-ms", "1000"], "at least 3 heartbeat intervals"),
+    (["--metrics-port", "99999"], "metrics_port must be in [0, 65535], got 99999"),
+    (["--block-size", "0"], "block_size must be >= 1, got 0"),
 ])
 def test_a_bad_value_exits_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

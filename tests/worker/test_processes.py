@@ -124,3 +124,16 @@ def test_sigterm_hands_the_unfinished_back_at_once_and_exits_0(spawn, client, mo
         events = replay(client, f"t{i}")
         assert_numbered(events)
         assert tokens_of(events) == tokens and events[-1].attempt == 2
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--model", "random:nope"], "unknown random model 'nope'"),
+    (["--model", MODEL, "--dtype", "float8"], "unknown dtype 'float8'"),
+    (["--model", MODEL, "--redis-url", "foo://x"], "Redis URL must specify one of the following schemes"),
+])
+def test_what_a_worker_cannot_start_with_is_one_line_and_status_1(redis_url, flags, said):
+    result = subprocess.run([sys.executable, "-m", "worker", "--redis-url", redis_url, *flags],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert f"python -m worker: error: {said}" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr

@@ -7,13 +7,16 @@ import threading
 import time
 
 import pytest
+import structlog
 
+from producer.protocol import Request
 from worker.config import WorkerConfig
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.service import Worker
 
-from .conftest import KEYS, MODEL, NUM_BLOCKS
+from .conftest import KEYS, MODEL, NUM_BLOCKS, greedy, offline, replay, run_until, submit, tokens_of
+from .faults import RedisServer
 
 
 def config(redis_url: str) -> WorkerConfig:
@@ -87,3 +90,24 @@ def test_a_load_that_fails_leaves_no_heartbeat(redis_url, client, monkeypatch):
     with pytest.raises(OSError, match="no such model"):
         Worker(config(redis_url))
     assert heartbeat(client) is None
+
+
+def test_a_worker_whose_redis_is_not_up_yet_waits_for_it_then_serves(tmp_path, model):
+    server = RedisServer(tmp_path)
+    later = threading.Timer(1.0, server.start)
+    later.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            worker = Worker(config(server.url), engine=Engine(config(server.url).engine, model=model))
+        later.join()
+        assert [entry["event"] for entry in logs if "redis" in entry["event"]] == ["worker.waiting_for_redis"]
+        client = server.client()
+        submit(client, Request(id="after", prompt_ids=[5, 6, 7], params=greedy(3)))
+        run_until([worker], lambda: not client.xlen(KEYS.requests("normal")) and not worker.flights)
+        assert tokens_of(replay(client, "after")) == offline(model, [[5, 6, 7]], [greedy(3)])[0]
+        worker.close()
+    finally:
+        later.cancel()
+        later.join()
+        if server.process is not None and server.process.poll() is None:
+            server.stop()
