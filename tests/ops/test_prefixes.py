@@ -127,9 +127,13 @@ def test_the_tool_on_a_trace_recommends_the_command(tmp_path, capsys):
     assert "recommendation: the top prefix covers" in capsys.readouterr().out
 
 
-def test_a_file_it_cannot_read_or_a_redis_it_cannot_reach_is_one_line_and_status_1(tmp_path, capsys):
-    def said() -> str:  # rich wraps at the terminal's width
-        return " ".join(capsys.readouterr().out.split())
+def test_a_file_it_cannot_read_or_a_redis_it_cannot_reach_is_one_line_and_status_1(tmp_path, capsys,
+                                                                                     monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # rich would fold a long path at 80
+
+    def said() -> str:
+        [line] = capsys.readouterr().out.splitlines()
+        return line
 
     assert main(["--jsonl", str(tmp_path / "missing.jsonl")]) == 1
     assert "prefixes failed: [Errno 2] No such file or directory" in said()
