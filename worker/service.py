@@ -42,6 +42,11 @@ from worker.outbox import Outbox
 from worker.step_watch import StepWatch
 
 RETRY_S, MAX_RETRY_S = 0.1, 5.0  # the wait after a failed turn, doubling while turns keep failing
+
+
+def retry_wait_s(failures: int) -> float:
+    """The wait after the `failures`-th failure in a row (of a turn, or of reaching Redis at start)."""
+    return min(MAX_RETRY_S, RETRY_S * 2 ** (failures - 1))
 SWEEP_BEATS = 30  # housekeeping rounds between sweeps of dead consumers and old dead letters
 
 
@@ -92,18 +97,16 @@ class Worker:
         """A Redis that is not up yet, or restarting, is waited for (saying so once), not a reason
         to exit: a worker started with or before its Redis comes up when it does. A refused
         password is no such wait: it raises."""
-        delay = RETRY_S
-        for waits in itertools.count():
+        for failures in itertools.count(1):
             try:
                 self.client.ping()
                 return
             except redis.AuthenticationError:
                 raise
             except (redis.ConnectionError, redis.TimeoutError) as error:
-                if waits == 0:
+                if failures == 1:
                     self.log.warning("worker.waiting_for_redis", error=str(error))
-                time.sleep(delay)
-                delay = min(MAX_RETRY_S, delay * 2)
+                time.sleep(retry_wait_s(failures))
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -137,7 +140,7 @@ class Worker:
             self.drop(flight, reason)
         self.next_housekeeping = 0.0  # take them back as soon as Redis answers
         self.failed_turns += 1
-        time.sleep(min(MAX_RETRY_S, RETRY_S * 2 ** (self.failed_turns - 1)))
+        time.sleep(retry_wait_s(self.failed_turns))
 
     def stop(self) -> None:
         """Drain (SIGTERM): safe to call from a signal handler."""
