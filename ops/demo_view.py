@@ -7,7 +7,6 @@ the fake one in the tests included."""
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ops.percentile import percentile
 from producer import AsyncProducer, DoneEvent, ErrorEvent, TokenEvent
 
 CHAT_PROMPTS: list[tuple[str, str, dict]] = [  # (label, user message, sampling params)
@@ -126,12 +126,6 @@ def summary(watched: list[Watched], wall: float) -> Group:
     failed = sum(1 for seen in watched if not isinstance(seen.end, DoneEvent) or seen.end.finish_reason == "error")
     return Group(table, f"{len(watched)} requests ({failed} failed), {tokens} tokens in {wall:.1f} s: "
                         f"[bold]{tokens / wall if wall > 0 else 0:.1f} tokens/s[/]")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest rank: the smallest value with at least q of the values at or below it."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else None
 
 
 def _show(value: float | None, unit: float) -> str:

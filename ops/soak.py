@@ -162,7 +162,8 @@ def shared_prefixes(trace: list[TraceRequest]) -> dict[str, list[int]]:
 def run(console: Console, trace: list[TraceRequest], *, redis_url: str | None, workers: int,
         worker_command: list[str], duration: float, drain_timeout: float, stall_timeout: float = 600,
         pins: dict[str, list[int]] | None = None) -> Soak:
-    """`worker_command` gets `--redis-url URL --name NAME --metrics-port P --heartbeat-interval S`.
+    """`worker_command` gets `--name NAME --metrics-port P --heartbeat-interval S` (and the Redis URL,
+    see ops.demo.running_process).
     `pins` (name -> prompt ids) are published for every worker before the load, unpublished after."""
     with tempfile.TemporaryDirectory(prefix="streambatch-soak-") as scratch, contextlib.ExitStack() as stack:
         url = stack.enter_context(redis_at(redis_url, Path(scratch), console))
@@ -192,8 +193,8 @@ def run(console: Console, trace: list[TraceRequest], *, redis_url: str | None, w
 def _worker(command: list[str], url: str, name: str, scratch: Path) -> Iterator[SoakWorker]:
     port = free_port()
     log = scratch / f"{name}.log"
-    with running_process([*command, "--redis-url", url, "--name", name, "--metrics-port", str(port),
-                          "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S)], log) as process:
+    with running_process([*command, "--name", name, "--metrics-port", str(port),
+                          "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S)], log, url) as process:
         yield SoakWorker(name, process, log, f"http://127.0.0.1:{port}/metrics")
 
 

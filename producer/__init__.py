@@ -13,8 +13,7 @@ from producer.stats import LaneStats, QueueStats, WorkerInfo
 
 # The clients load on first use: the worker's engine imports producer.protocol, which runs
 # this file first, and the engine must not pull in redis (tests/test_layers.py).
-_CLIENTS = {"Producer": "producer.client", "Handle": "producer.client",
-            "AsyncProducer": "producer.async_client", "AsyncHandle": "producer.async_client"}
+_CLIENTS = {"Producer": "producer.client", "Handle": "producer.shell", "AsyncProducer": "producer.async_client"}
 
 
 def __getattr__(name: str):
@@ -24,7 +23,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AsyncHandle", "AsyncProducer", "Completion", "Disconnected", "DoneEvent", "ErrorEvent", "Event", "EventsLost", "Handle",
+    "AsyncProducer", "Completion", "Disconnected", "DoneEvent", "ErrorEvent", "Event", "EventsLost", "Handle",
     "InvalidRequest", "LaneStats", "Message", "Producer", "ProducerError", "ProtocolViolation", "QueueFull",
     "QueueStats", "Request", "SamplingParams", "TokenEvent", "UnknownRequest", "WorkerInfo", "pick_lane",
 ]

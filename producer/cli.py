@@ -24,10 +24,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from producer.client import DEFAULT_URL, Producer
+from producer.client import Producer
+from producer.shell import DEFAULT_URL
 from producer.completion import Completion
 from producer.errors import Disconnected, ProducerError
-from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob
+from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob, redacted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         producer = Producer(args.redis_url, prefix=args.prefix)
     except ValueError as error:  # redis-py's word on a URL it cannot parse
-        errors.print(f"[red]error:[/] bad --redis-url {escape(repr(args.redis_url))}: {escape(str(error))}")
+        errors.print(f"[red]error:[/] bad --redis-url {escape(repr(redacted(args.redis_url)))}: {escape(str(error))}")
         return 1
     try:
         with producer:
@@ -44,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # a reader gone away shows here, not as noise at exit
             return status
     except Disconnected as error:
-        errors.print(f"[red]error:[/] cannot reach Redis at {escape(args.redis_url)}: {escape(str(error))}")
+        errors.print(f"[red]error:[/] cannot reach Redis at {escape(redacted(args.redis_url))}: {escape(str(error))}")
     except (ProducerError, TimeoutError) as error:
         errors.print(f"[red]error:[/] {escape(str(error))}")
     except redis.RedisError as error:  # e.g. an out-of-range DB index, a refused AUTH
-        errors.print(f"[red]error:[/] Redis at {escape(args.redis_url)} refused: {escape(str(error))}")
+        errors.print(f"[red]error:[/] Redis at {escape(redacted(args.redis_url))} refused: {escape(str(error))}")
     except BrokenPipeError:
         return _stdout_closed()
     except KeyboardInterrupt:

@@ -5,8 +5,9 @@ the consumer) and is sent the reply; Redis errors are thrown into it, a lost con
 `Disconnected`. producer/client.py runs the flows on redis-py, producer/async_client.py on
 redis.asyncio: only the awaits differ.
 
-A stream rides out a lost connection (a Redis restart): it retries, backing off, until its
-timeout, or for RECONNECT_PATIENCE_S without one, then raises Disconnected. Submit, cancel and
+A stream rides out a lost connection (a Redis restart): it retries, backing off (`Reconnect`),
+until its timeout, or for RECONNECT_PATIENCE_S without one, then raises Disconnected; a server
+that takes that long to confirm its subscription counts as lost too. Submit, cancel and
 stats raise Disconnected at once. Submit retries by itself for SUBMIT_PATIENCE_S, knowing its
 own claim by a token, so it never enqueues twice; after it gives up, submitting the same
 request id again is the safe retry (it waits for a claim left mid-way to lapse, then takes it).
@@ -38,19 +39,17 @@ from typing import Any
 import msgspec
 
 from producer.errors import Disconnected, EventsLost, ProtocolViolation, QueueFull, UnknownRequest
-from producer.protocol import (FIELD, GROUP, LANES, Event, Keys, Request, Submission, decode_event,
+from producer.protocol import (ENQUEUE_TTL_S, FIELD, GROUP, LANES, Event, Keys, Request, Submission, decode_event,
                                decode_request, decode_submission, encode)
 from producer.sequencer import EventSequencer
 from producer.stats import LaneStats, QueueStats, parse_heartbeat
 from producer.submission import choose_lane, encoded
 
-# How long an id stays taken by a submit that has not enqueued yet: a producer that dies
-# between taking the id and enqueueing frees it (and ends its consumers' streams) this soon.
-ENQUEUE_TTL_S = 10
 RECONNECT_PATIENCE_S = 60.0
 SUBMIT_PATIENCE_S = 10.0
 ENQUEUE_POLL_S = 0.2  # how often a submit of an id that another submit is enqueueing looks again
-RETRY_S, MAX_RETRY_S = 0.1, 2.0  # a stream's wait before it tries a lost connection again, doubling
+# A flow's wait before it tries a lost connection again, doubling while it stays lost.
+RECONNECT_RETRY_S, MAX_RECONNECT_RETRY_S = 0.1, 2.0
 
 
 @dataclass(frozen=True)
@@ -81,8 +80,9 @@ class Subscribe:
 
 @dataclass(frozen=True)
 class Listen:
-    """The next pub/sub message within `timeout` s, or None (also after a dropped connection:
-    redis-py resubscribes, and the replay read that None leads to recovers the gap)."""
+    """The next pub/sub message within `timeout` s, or None; a lost connection is thrown in as
+    Disconnected (redis-py resubscribes once it reconnects, and the replay read that follows
+    recovers what was published meanwhile)."""
 
     timeout: float
     subscribe_messages: bool = False  # True only while waiting for the subscription's confirmation
@@ -122,7 +122,6 @@ class ProducerCore:
     def __init__(self, keys: Keys, max_backlog: int, claim_ttl: int, poll_interval: float) -> None:
         self.keys, self.max_backlog = keys, max_backlog
         self.claim_ttl, self.poll_interval = claim_ttl, poll_interval
-        self._grouped: set[str] = set()
 
     def submit(self, request: Request) -> Flow:
         """-> (lane, duplicate). Takes the id (SET NX, short-lived, with this call's token),
@@ -134,7 +133,6 @@ class ProducerCore:
         entry = encoded(request)
         lane = choose_lane(request)
         stream = self.keys.requests(lane)
-        yield from self._ensure_group(stream)
         claim, token = self.keys.submitted(request.id), uuid.uuid4().hex
         gives_up_at = time.monotonic() + SUBMIT_PATIENCE_S
         while True:
@@ -216,10 +214,8 @@ class ProducerCore:
         sequencer = EventSequencer(request_id)
         keys = self.keys
         replay, channel, claim, cursor = keys.replay(request_id), keys.tokens(request_id), keys.submitted(request_id), "-"
-        yield from _patiently(Subscribe(channel), clock)
-        while not _is_subscribe((yield Listen(clock.wait(self.poll_interval), subscribe_messages=True))):
-            pass
-        watch = SubmissionWatch(request_id)
+        yield from self._subscribe(channel, clock)
+        watch, listening = SubmissionWatch(request_id), Reconnect(clock)
         while True:
             entries, replay_exists, submission = yield from _patiently(Call((
                 command("xrange", replay, min=cursor if cursor == "-" else f"({cursor}"),
@@ -233,8 +229,16 @@ class ProducerCore:
                     yield Deliver(ready)
                 if sequencer.finished:
                     return
-            # Follow the channel until a gap or a quiet spell sends us back to the replay.
-            while (message := (yield Listen(clock.wait(self.poll_interval)))) is not None:
+            # Follow the channel until a gap, a quiet spell or a lost connection sends us back to the replay.
+            while True:
+                try:
+                    message = yield Listen(clock.wait(self.poll_interval))
+                except Disconnected as error:
+                    yield from listening.lost(error)
+                    break
+                listening.reached()
+                if message is None:
+                    break
                 ready = sequencer.push(_decoded(message["data"], channel))
                 if ready:
                     yield Deliver(ready)
@@ -243,15 +247,25 @@ class ProducerCore:
                 if sequencer.has_gap:
                     break
 
-    def _ensure_group(self, stream: str) -> Flow:
-        """Create the workers' group (either side may be first) so that requests enqueued
-        before any worker started are delivered too (group created at id 0)."""
-        if stream not in self._grouped:
-            [created] = yield Call((command("xgroup_create", stream, GROUP, id="0", mkstream=True),),
-                                   raise_on_error=False)
-            if isinstance(created, Exception) and "BUSYGROUP" not in str(created):
-                raise created
-            self._grouped.add(stream)
+    def _subscribe(self, channel: str, clock: Deadline) -> Flow:
+        """SUBSCRIBE, and wait for the server's confirmation: through lost connections (each
+        SUBSCRIBE again, backing off), for at most RECONNECT_PATIENCE_S (or the clock's time)."""
+        reconnect, confirm_by = Reconnect(clock), time.monotonic() + RECONNECT_PATIENCE_S
+        subscribed = False
+        while True:
+            try:
+                if not subscribed:
+                    yield Subscribe(channel)
+                    subscribed = True
+                if _is_subscribe((yield Listen(clock.wait(self.poll_interval), subscribe_messages=True))):
+                    return
+            except Disconnected as error:
+                subscribed = False
+                yield from reconnect.lost(error)
+                continue
+            if clock.end is None and time.monotonic() >= confirm_by:
+                raise Disconnected(f"redis did not confirm the subscription to {channel} "
+                                   f"within {RECONNECT_PATIENCE_S:.0f} s")
 
 
 class SubmissionWatch:
@@ -298,20 +312,39 @@ class Deadline:
         return min(interval, left)
 
 
-def _patiently(operation: Call | Subscribe, clock: Deadline, patience_s: float = RECONNECT_PATIENCE_S) -> Flow:
-    """The reply of an operation that is safe to repeat, trying again while the connection is lost:
-    until the clock's end, or for `patience_s` without one (see the module docstring)."""
-    delay, gave_up_at = RETRY_S, None
+class Reconnect:
+    """A flow's waits while its connection is lost: RECONNECT_RETRY_S between tries, doubling up
+    to MAX_RECONNECT_RETRY_S; it gives up, raising the error, once the connection has been lost
+    for `patience_s`, or when the clock's time is up (TimeoutError) if it has an end."""
+
+    def __init__(self, clock: Deadline, patience_s: float | None = None) -> None:
+        self.clock = clock
+        self.patience_s = RECONNECT_PATIENCE_S if patience_s is None else patience_s
+        self.delay, self.gives_up_at = RECONNECT_RETRY_S, None
+
+    def lost(self, error: Disconnected) -> Flow:
+        """After a try that failed: raise `error` if patience ran out, else pause before the next."""
+        if self.clock.end is None:
+            self.gives_up_at = self.gives_up_at or time.monotonic() + self.patience_s
+            if time.monotonic() >= self.gives_up_at:
+                raise error
+        yield Pause(self.clock.wait(self.delay))
+        self.delay = min(MAX_RECONNECT_RETRY_S, self.delay * 2)
+
+    def reached(self) -> None:
+        """A try went through: the next loss starts afresh."""
+        self.delay, self.gives_up_at = RECONNECT_RETRY_S, None
+
+
+def _patiently(operation: Call | Subscribe, clock: Deadline, patience_s: float | None = None) -> Flow:
+    """The reply of an operation that is safe to repeat, trying again while the connection is lost
+    (see Reconnect)."""
+    reconnect = Reconnect(clock, patience_s)
     while True:
         try:
             return (yield operation)
-        except Disconnected:
-            if clock.end is None:
-                gave_up_at = gave_up_at or time.monotonic() + patience_s
-                if time.monotonic() >= gave_up_at:
-                    raise
-            yield Pause(clock.wait(delay))
-            delay = min(MAX_RETRY_S, delay * 2)
+        except Disconnected as error:
+            yield from reconnect.lost(error)
 
 
 def _reply(value):

@@ -12,6 +12,7 @@ import socket
 import time
 import uuid
 from typing import Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 
@@ -267,14 +268,73 @@ def connection_options(blocking_ms: int = 0) -> dict:
             "health_check_interval": HEALTH_CHECK_S, "retry": None}
 
 
+def redacted(url: str) -> str:
+    """A Redis URL fit to print or log: its password (in the user part or a `password=` query
+    parameter) replaced by ***; a URL that does not parse is withheld whole."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user = parts.username or ""
+            netloc = f"{user}:***@{netloc.rpartition('@')[2]}"
+        query = urlencode([(name, "***" if name.lower() == "password" else value)
+                           for name, value in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+        shown = urlunsplit(parts._replace(netloc=netloc, query=query))
+        if not netloc and url.startswith(f"{parts.scheme}://"):  # unix:///path keeps its slashes
+            shown = f"{parts.scheme}://{shown[len(parts.scheme) + 1:]}"
+        return shown
+    except ValueError:
+        return "<a Redis URL that does not parse>"
+
+
 # --- Redis layout ----------------------------------------------------------------------
 FIELD = b"m"  # the one field of a stream entry, holding an encoded request or event
 GROUP = "workers"
 
+# How long a request's keys live (seconds); see Keys for who sets each.
+ENQUEUE_TTL_S = 10  # an id taken by a submit that has not enqueued yet: a producer that dies mid-way frees it
+DEFAULT_CLAIM_TTL_S = 3600  # a queued id, and a cancel flag: the longest a request may wait and still be found
+DEFAULT_REPLAY_TTL_S = 600  # a request's events (and the keys that go with them) after its last write
+
+
+def ensure_group(client, stream: str) -> None:
+    """Create the workers' group on a lane stream (and the stream) unless it exists, at id 0 so
+    that entries enqueued before it, or before a deleted stream was made again, are delivered
+    too. `client` is a redis-py client; the one place the group is made, by workers and tests
+    (producers only XADD: a stream without its group yet is read once a worker makes it)."""
+    try:
+        client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except Exception as error:  # redis.ResponseError; this module does not import redis
+        if "BUSYGROUP" not in str(error):
+            raise
+
+
+def is_missing_group(error: Exception) -> bool:
+    """A Redis error that says a lane stream (or its group) is gone: NOGROUP, from any group
+    command, a script's included (redis-py puts the pipeline's words before it)."""
+    return "NOGROUP " in str(error)
+
 
 class Keys:
     """Every key and channel name. Keys of one request share a hash tag ({id}) so that in
-    Redis Cluster they live on one node."""
+    Redis Cluster they live on one node.
+
+    Lifetimes, and who sets them:
+    - `requests(lane)`: an entry lives from the producer's XADD to the ack (XACK + XDEL) of the
+      worker that ends the request; the stream itself is permanent.
+    - `submitted(id)`: the producer's, ENQUEUE_TTL_S while it enqueues, then its claim TTL
+      (DEFAULT_CLAIM_TTL_S); a worker that claims an id whose key lapsed sets it for the replay
+      TTL; every event write keeps it at least as long as the replay stream, and the terminal
+      one gives it exactly the replay stream's TTL.
+    - `cancelled(id)`: the producer's cancel, for its claim TTL.
+    - `attempt(id)`: set by every claim and never expiring while the entry is pending, so that
+      no two claims of an entry hold the same attempt (the fence, see worker/claims.py); the ack
+      gives it the replay TTL.
+    - `replay(id)`: every event write sets its TTL to the worker's replay TTL (DEFAULT_REPLAY_TTL_S).
+    - `worker(name)`: the heartbeat, a few seconds past the next beat.
+    - `dead_letters`: trimmed to the workers' --dead-letter-ttl, and capped.
+    - `pins`, `tokens(id)`, `cancel_channel`: permanent (operator-managed) or nothing stored.
+    """
 
     def __init__(self, prefix: str = "sb") -> None:
         self.prefix = prefix
@@ -294,8 +354,8 @@ class Keys:
         return f"{self.prefix}:{{{request_id}}}:cancelled"
 
     def attempt(self, request_id: str) -> str:
-        """The request's current delivery attempt, set by the worker that claims it: the
-        worker's event writes are refused unless their attempt matches (fencing)."""
+        """Who owns the request now, "<attempt> <lane stream> <entry id>", set by the worker that
+        claims it: a worker's event writes are refused unless the value is its own (fencing)."""
         return f"{self.prefix}:{{{request_id}}}:attempt"
 
     def submitted(self, request_id: str) -> str:

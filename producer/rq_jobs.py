@@ -53,7 +53,8 @@ from rq import get_current_job
 from rq.callbacks import Callback
 from rq.job import Job
 
-from producer.client import Handle, Producer
+from producer.client import Producer
+from producer.shell import Handle
 from producer.completion import Completion
 from producer.errors import InvalidRequest
 from producer.protocol import Request

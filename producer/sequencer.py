@@ -33,13 +33,13 @@ class EventSequencer:
         # The first copy of a seq wins; a stale worker's later copy is dropped with it.
         self._early.setdefault(event.seq, event)
         ready = []
-        while not self.finished and self.next_seq in self._early:
+        while self.next_seq in self._early:
             released = self._early.pop(self.next_seq)
             ready.append(released)
             self.next_seq += 1
-            self.finished = isinstance(released, TERMINAL)
-        if self.finished:
-            self._early.clear()
+            if isinstance(released, TERMINAL):
+                self.finished = True
+                self._early.clear()  # what came early, past the end, is never released
         return ready
 
     def push_replayed(self, events: list[Event]) -> list[Event]:

@@ -1,8 +1,11 @@
 """Shared fixtures. The real SmolLM2 tokenizer comes from the engine's own model cache
 (`models.smollm2_cache()`: converted from the bundled GGUF once, reloaded in a second)."""
 
+import contextlib
 import importlib.util
 import os
+import subprocess
+from collections.abc import Iterator
 
 # On CPU, Triton's interpreter runs the CUDA attention kernels (tests/engine/test_triton_attention.py).
 # It must be on before triton is first imported, which importing torch or transformers may do: so here.
@@ -69,12 +72,12 @@ def launch():
             process.wait()
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    """A private redis-server on a free port for this test session (never a shared one)."""
+@contextlib.contextmanager
+def private_redis(workdir, password: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A redis-server of our own on a free port (never a shared one), with `password` if given;
+    -> (its URL without the password, the process), stopped on the way out."""
     import shutil
     import socket
-    import subprocess
     import time
 
     import redis
@@ -85,24 +88,32 @@ def redis_server(tmp_path_factory):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    workdir = tmp_path_factory.mktemp("redis")
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--dir", str(workdir)],
+                                "--appendonly", "no", "--dir", str(workdir),
+                                *(["--requirepass", password] if password else [])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    else:
-        process.kill()
-        pytest.fail("redis-server did not start")
-    yield url
-    process.terminate()
-    process.wait(timeout=10)
+    client = redis.Redis.from_url(url, password=password)
+    try:
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        else:
+            pytest.fail("redis-server did not start")
+        yield url, process
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """The test session's own redis-server."""
+    with private_redis(tmp_path_factory.mktemp("redis")) as (url, _):
+        yield url
 
 
 @pytest.fixture

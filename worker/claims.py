@@ -1,26 +1,37 @@
 """Owning stream entries across workers: claim, refresh, reclaim and hand back.
 
-- claim (every entry, fresh or reclaimed): INCR the request's attempt key, which fences off
-  any earlier owner (see outbox.py), THEN read its replay stream, so the earlier owner's
-  last accepted write is in what we read: the tokens already emitted and the next seq. It
-  also marks the id taken if its submission key is gone (it waited longer than the producer's
-  claim TTL), so that consumers and a second submit find it while it runs.
+- claim (every entry, fresh or reclaimed): one script on the request's keys (one hash tag, so
+  one slot) moves its attempt key on, which fences off any earlier owner (see outbox.py), and
+  reads its replay stream in the same atomic step, so the earlier owner's last accepted write
+  is in what we read: the tokens already emitted and the next seq. The attempt key holds
+  "<attempt> <stream> <entry id>": the attempt counts up for that entry and starts again at 1
+  for another entry of the id (a later submission of it), and the key never expires while the
+  entry is pending (the ack gives it the replay TTL), so an attempt never repeats for an entry
+  while any writer may hold an old one. The script also marks the id taken if its submission
+  key is gone (it waited longer than the producer's claim TTL), so that consumers and a second
+  submit find it while it runs.
 - reject: a request whose keys are damaged (its replay stream cannot be resumed from) is
   dead-lettered without an event, since none could be numbered; its submission key says
   "rejected" with the reason instead, which ends its consumers' streams.
-- refresh (every heartbeat): XCLAIM our in-flight entries to ourselves with min-idle 0 and
-  JUSTID, which resets their idle time without raising the delivery count. An entry whose
-  attempt key moved on belongs to another worker now and is reported lost instead.
+- refresh (every heartbeat): one script per lane stream XCLAIMs, with JUSTID (idle time reset,
+  delivery count untouched), each of our in-flight entries that the group still counts as
+  ours; an entry another worker took, or whose attempt key moved on, is reported lost instead,
+  and never taken back from its new owner.
 - take back: entries the group counts as ours that we no longer hold (we dropped them when a
   turn failed, a Redis blip say) are owned again at once, with XPENDING + XCLAIM ... JUSTID,
-  which leaves their delivery counts alone: a blip costs a recompute, never a delivery.
+  which leaves their delivery counts alone: a blip costs a recompute, never a delivery. Our
+  consumer name is new with every process start (heartbeat.new_consumer), so this only ever
+  takes back what this process was given.
+- inherit (at start): entries held by this worker's earlier lives (consumers of the same
+  worker name: it was restarted, under compose with the same hostname) died with them, so
+  they are taken at once, each counted as a delivery.
 - reclaim: XAUTOCLAIM entries idle past the threshold (a dead worker's), carrying the cursor
   between calls; their delivery counts come from XPENDING. So a delivery count says how many
-  workers were given the request, each past the first because its holder looked dead.
-- sweep: consumers of the group with no heartbeat and no entries are deleted (names are
-  host-pid, so every restart adds one), and dead letters older than their retention trimmed.
-- hand back (shutdown): XCLAIM ... IDLE <large> JUSTID, so that the next reclaim of any live
-  worker takes them at once (Redis before 8.8 has no XNACK).
+  holders were given the request, each past the first because the one before it died.
+- sweep: consumers of the group with no heartbeat naming them and no entries are deleted, and
+  dead letters older than their retention trimmed.
+- hand back (shutdown): the refresh's script with IDLE <large>, so that the next reclaim of any
+  live worker takes them at once (Redis before 8.8 has no XNACK).
 """
 
 from __future__ import annotations
@@ -35,9 +46,45 @@ import redis
 from producer.protocol import (FIELD, GROUP, LANES, TERMINAL, Event, Keys, Lane, Submission, TokenEvent, decode_event,
                                encode)
 from worker.flight import Flight
+from worker.heartbeat import beating, worker_of
 from worker.intake import Entry
 
 HAND_BACK_IDLE_MS = 2**31  # about 25 days: past any reclaim threshold
+
+CLAIM = """
+-- KEYS: attempt key, replay stream, cancel key, submission key.
+-- ARGV: owner ("<stream> <entry id>"), the submission to set if the key is gone, its TTL.
+local current = redis.call('GET', KEYS[1])
+local attempt = 1
+if current then
+  local space = string.find(current, ' ', 1, true)
+  if space and string.sub(current, space + 1) == ARGV[1] then
+    attempt = (tonumber(string.sub(current, 1, space - 1)) or 0) + 1
+  end
+end
+redis.call('SET', KEYS[1], attempt .. ' ' .. ARGV[1])
+redis.call('SET', KEYS[4], ARGV[2], 'NX', 'EX', ARGV[3])
+return {attempt, redis.call('XRANGE', KEYS[2], '-', '+'), redis.call('EXISTS', KEYS[3])}
+"""
+
+KEEP = """
+-- KEYS: a lane stream. ARGV: group, consumer, idle ms ('' to reset it), entry id...
+-- XCLAIM ... JUSTID each entry still pending under this consumer; -> the ids that are not.
+local lost = {}
+for i = 4, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if pending[1] and pending[1][2] == ARGV[2] then
+    if ARGV[3] == '' then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    else
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    end
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
 
 
 @dataclass(frozen=True)
@@ -59,8 +106,10 @@ class Claim:
         return None
 
     @property
-    def terminal(self) -> bool:
-        return bool(self.events) and isinstance(self.events[-1], TERMINAL)
+    def terminal(self) -> Event | None:
+        """The terminal event an earlier attempt wrote, if it finished."""
+        last = self.events[-1] if self.events else None
+        return last if isinstance(last, TERMINAL) else None
 
     @property
     def emitted_token_ids(self) -> list[int]:
@@ -68,48 +117,50 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, client: redis.Redis, keys: Keys, consumer: str, attempt_ttl: int,
+    def __init__(self, client: redis.Redis, keys: Keys, consumer: str, replay_ttl: int,
                  reclaim_idle_ms: int) -> None:
         self.client, self.keys, self.consumer = client, keys, consumer
-        self.attempt_ttl, self.reclaim_idle_ms = attempt_ttl, reclaim_idle_ms
+        self.replay_ttl, self.reclaim_idle_ms = replay_ttl, reclaim_idle_ms
         self.cursors = {keys.requests(lane): "0-0" for lane in LANES}  # fast lane first
+        self.claim_script = client.register_script(CLAIM)
+        self.keep_script = client.register_script(KEEP)
 
-    def claim(self, lanes: dict[str, Lane]) -> list[Claim]:
-        """Claim each request (id -> the lane it came from), in order."""
+    def claim(self, requests: dict[str, tuple[Entry, Lane]]) -> list[Claim]:
+        """Claim each request (id -> the entry that carried it and its lane), in order."""
         pipe = self.client.pipeline(transaction=False)
-        for request_id, lane in lanes.items():
-            pipe.incr(self.keys.attempt(request_id))
-            pipe.expire(self.keys.attempt(request_id), self.attempt_ttl)
-            pipe.xrange(self.keys.replay(request_id))
-            pipe.exists(self.keys.cancelled(request_id))
-            pipe.set(self.keys.submitted(request_id), encode(Submission(lane)), nx=True, ex=self.attempt_ttl)
-        replies = pipe.execute(raise_on_error=False)  # one request's damaged keys must not fail the rest
+        for request_id, (entry, lane) in requests.items():
+            keys = self.keys
+            self.claim_script(keys=[keys.attempt(request_id), keys.replay(request_id), keys.cancelled(request_id),
+                                    keys.submitted(request_id)],
+                              args=[entry.owner, encode(Submission(lane)), self.replay_ttl],
+                              client=pipe)
         claims = []
-        for at in range(0, len(replies), 5):  # 5 replies per request
-            attempt, _, replay, cancelled, _ = replies[at:at + 5]
-            damage = next((reply for reply in replies[at:at + 5] if isinstance(reply, Exception)), None)
-            if damage is not None:
-                claims.append(Claim(0, None, False, damage=str(damage)))
+        for reply in pipe.execute(raise_on_error=False):  # one request's damaged keys must not fail the rest
+            if isinstance(reply, Exception):
+                claims.append(Claim(0, None, False, damage=str(reply)))
             else:
+                attempt, replay, cancelled = reply
                 claims.append(Claim(attempt, _decode_events(replay), bool(cancelled)))
         return claims
 
     def reject(self, request_id: str, lane: Lane, reason: str) -> None:
         self.client.set(self.keys.submitted(request_id), encode(Submission(lane, "rejected", reason)),
-                        ex=self.attempt_ttl)
+                        ex=self.replay_ttl)
 
     def refresh(self, flights: list[Flight]) -> list[Flight]:
-        """Keep our entries from looking idle; -> the flights another worker has claimed."""
+        """Keep our entries from looking idle; -> the flights another worker holds now."""
         if not flights:
             return []
         pipe = self.client.pipeline(transaction=False)
         for flight in flights:
-            pipe.getex(self.keys.attempt(flight.request_id), ex=self.attempt_ttl)
-        kept, lost = [], []
-        for flight, attempt in zip(flights, pipe.execute()):
-            (kept if attempt is not None and int(attempt) == flight.attempt else lost).append(flight)
-        self._xclaim([flight.entry for flight in kept])
-        return lost
+            pipe.get(self.keys.attempt(flight.request_id))
+        by_stream = self._queue_keep(pipe, [flight.entry for flight in flights])
+        replies = pipe.execute()
+        fences, kept = replies[:len(flights)], replies[len(flights):]
+        lost = {(stream, entry_id.decode()) for stream, ids in zip(by_stream, kept) for entry_id in ids}
+        return [flight for flight, value in zip(flights, fences)
+                if value is None or value.decode(errors="replace") != flight.fence
+                or (flight.entry.stream, flight.entry.entry_id) in lost]
 
     def reclaim(self, room: int) -> list[Entry]:
         """Up to `room` entries left idle past the threshold (by a dead worker), fast lane first."""
@@ -119,14 +170,33 @@ class Claims:
                 break
             self.cursors[stream], messages, *_ = self.client.xautoclaim(
                 stream, GROUP, self.consumer, self.reclaim_idle_ms, start_id=cursor, count=room - len(claimed))
-            messages = [(entry_id, fields) for entry_id, fields in messages if fields is not None]  # XDELed
-            pipe = self.client.pipeline(transaction=False)
-            for entry_id, _ in messages:
-                pipe.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
-            for (entry_id, fields), pending in zip(messages, pipe.execute()):
-                deliveries = pending[0]["times_delivered"] if pending else 1
-                claimed.append(Entry(stream, entry_id.decode(), fields, deliveries))
+            claimed += self._counted(stream, messages)
         return claimed
+
+    def inherit(self) -> list[Entry]:
+        """Every entry held by an earlier life of this worker (see the module docstring)."""
+        inherited: list[Entry] = []
+        worker = worker_of(self.consumer)
+        for stream in self.cursors:
+            for consumer in self.client.xinfo_consumers(stream, GROUP):
+                name = _text(consumer["name"])
+                if name == self.consumer or worker_of(name) != worker or not consumer["pending"]:
+                    continue
+                pending = self.client.xpending_range(stream, GROUP, "-", "+", consumer["pending"], consumername=name)
+                pipe = self.client.pipeline(transaction=False)
+                for entry in pending:  # min-idle = the idle seen: an entry a peer took meanwhile stays its
+                    pipe.xclaim(stream, GROUP, self.consumer, entry["time_since_delivered"], [entry["message_id"]])
+                inherited += self._counted(stream, [message for claimed in pipe.execute() for message in claimed])
+        return inherited
+
+    def _counted(self, stream: str, messages: list) -> list[Entry]:
+        """Entries just claimed with their delivery counts raised, with those counts (XPENDING)."""
+        messages = [(entry_id, fields) for entry_id, fields in messages if fields is not None]  # XDELed
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, _ in messages:
+            pipe.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
+        return [Entry(stream, entry_id.decode(), fields, pending[0]["times_delivered"] if pending else 1)
+                for (entry_id, fields), pending in zip(messages, pipe.execute() if messages else [])]
 
     def take_back(self, held: set[tuple[str, str]], room: int) -> list[Entry]:
         """Up to `room` of our own pending entries that are not in `held` ((stream, entry id))."""
@@ -155,30 +225,31 @@ class Claims:
         """Delete dead consumers, trim old dead letters; -> the consumers deleted."""
         deleted = []
         for stream in self.cursors:
-            idle = [consumer["name"] for consumer in self.client.xinfo_consumers(stream, GROUP)
+            idle = [_text(consumer["name"]) for consumer in self.client.xinfo_consumers(stream, GROUP)
                     if consumer["pending"] == 0 and consumer["idle"] > self.reclaim_idle_ms]
-            alive = self.client.pipeline(transaction=False)
+            alive = beating(self.client, self.keys, idle) | {self.consumer}
             for name in idle:
-                alive.exists(self.keys.worker(_text(name)))
-            for name, beating in zip(idle, alive.execute() if idle else []):
-                if not beating and _text(name) != self.consumer:
+                if name not in alive:
                     self.client.xgroup_delconsumer(stream, GROUP, name)
-                    deleted.append(_text(name))
+                    deleted.append(name)
         oldest_kept_ms = int(time.time() * 1000) - dead_letter_ttl_s * 1000
         self.client.xtrim(self.keys.dead_letters, minid=f"{oldest_kept_ms}-0", approximate=True)
         return deleted
 
     def hand_back(self, entries: list[Entry]) -> None:
-        self._xclaim(entries, idle=HAND_BACK_IDLE_MS)
+        pipe = self.client.pipeline(transaction=False)
+        self._queue_keep(pipe, entries, idle=HAND_BACK_IDLE_MS)
+        pipe.execute()
 
-    def _xclaim(self, entries: list[Entry], idle: int | None = None) -> None:
+    def _queue_keep(self, pipe, entries: list[Entry], idle: int | None = None) -> list[str]:
+        """Queue the KEEP script for these entries, one call per stream; -> the streams, in order."""
         by_stream: dict[str, list[str]] = defaultdict(list)
         for entry in entries:
             by_stream[entry.stream].append(entry.entry_id)
-        pipe = self.client.pipeline(transaction=False)
         for stream, entry_ids in by_stream.items():
-            pipe.xclaim(stream, GROUP, self.consumer, 0, entry_ids, idle=idle, justid=True)
-        pipe.execute()
+            self.keep_script(keys=[stream], args=[GROUP, self.consumer, "" if idle is None else idle, *entry_ids],
+                             client=pipe)
+        return list(by_stream)
 
     def retire(self) -> None:
         """Leave the group on a clean exit; a consumer still holding entries stays, since
@@ -192,8 +263,9 @@ def _text(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
 
-def _decode_events(replay: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Event] | None:
+def _decode_events(replay: list) -> list[Event] | None:
+    """The replay stream as the claim script read it: [[entry id, [field, value, ...]], ...]."""
     try:
-        return [decode_event(fields[FIELD]) for _, fields in replay]
-    except (KeyError, msgspec.DecodeError):
+        return [decode_event(dict(zip(fields[::2], fields[1::2]))[FIELD]) for _, fields in replay]
+    except (KeyError, TypeError, msgspec.DecodeError):
         return None

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from producer.protocol import DEFAULT_REPLAY_TTL_S
 from worker.engine.config import EngineConfig
 from worker.engine.scheduler_config import SchedulerConfig
 
@@ -24,6 +25,12 @@ DEFAULT_MODEL = EngineConfig().model  # (EngineConfig.model, on the class, is ms
 
 def default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+# No turn of the loop legitimately takes this long: a blocking read waits at most 1 s, a failed
+# turn at most 5 s, a Redis reply 10 s, and an engine step is one token budget's work: seconds, a
+# minute on a slow CPU or a first compile.
+DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -40,7 +47,8 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_deliveries: int = 3
     intake_ahead: int = 8
     replay_maxlen: int = 10_000
-    replay_ttl: int = 600
+    replay_ttl: int = DEFAULT_REPLAY_TTL_S
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
     dead_letter_ttl: int = 7 * 24 * 3600
     pin_prefix: list[str] = msgspec.field(default_factory=list)  # text prefixes kept in the KV cache
 
@@ -55,6 +63,8 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (self.max_deliveries >= 1, f"max_deliveries must be >= 1, got {self.max_deliveries}"),
             (self.intake_ahead >= 1, f"intake_ahead must be >= 1, got {self.intake_ahead}"),
             (self.replay_ttl >= 1, f"replay_ttl must be >= 1 s, got {self.replay_ttl}"),
+            (self.stall_timeout > self.heartbeat_interval,
+             f"stall_timeout ({self.stall_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"),
             (self.dead_letter_ttl >= 1, f"dead_letter_ttl must be >= 1 s, got {self.dead_letter_ttl}"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535,
@@ -77,7 +87,8 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 WORKER_FLAGS = {
     "redis_url": "Redis URL",
-    "name": "consumer name in the group, and heartbeat key (default: host-pid)",
+    "name": "this worker's name, unique among live workers: its heartbeat key, and its consumer in the group "
+            "with a suffix new at every start (default: host-pid)",
     "prefix": "key prefix shared with the producers",
     "metrics_port": "serve /metrics (Prometheus), /healthz and /readyz on this port (0: any free port)",
     "threads": "torch threads",
@@ -90,6 +101,9 @@ WORKER_FLAGS = {
     "intake_ahead": "requests kept waiting in the engine; more stay in Redis for idle workers",
     "replay_maxlen": "approximate cap on a request's replay stream (must hold all its events)",
     "replay_ttl": "seconds a finished request's events stay readable",
+    "stall_timeout": "seconds without a completed turn of the loop (a hung step) after which /healthz says stuck "
+                     "and the worker exits, status 70, so that its restart policy acts and its requests are "
+                     "reclaimed",
     "dead_letter_ttl": "seconds a dead letter is kept (the stream is also capped at 100,000 entries)",
 }
 ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bfloat16 on CUDA, float32 on CPU"}

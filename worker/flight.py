@@ -16,7 +16,7 @@ from worker.intake import Entry
 class Flight:
     request_id: str
     entry: Entry
-    attempt: int  # this worker's attempt; writes of any other are refused (fencing)
+    attempt: int  # this worker's attempt of the entry; writes of any other are refused (fencing)
     next_seq: int  # seq of the next event; continues an earlier attempt's numbering
     log: BindableLogger  # a structlog logger with request_id bound
     resumed: bool = False  # an earlier attempt already emitted tokens
@@ -27,6 +27,11 @@ class Flight:
     pending: list[bytes] = field(default_factory=list)  # encoded events not yet written
     finished: bool = False  # its terminal event is pending or written
     dead_letter: str | None = None  # reason, recorded in the dead-letter stream at the ack
+
+    @property
+    def fence(self) -> str:
+        """The attempt key's value while this flight owns the request (claims.py)."""
+        return f"{self.attempt} {self.entry.owner}"
 
     @property
     def started(self) -> bool:

@@ -4,6 +4,8 @@ admit soon, strict decoding, acks and dead letters.
 Backpressure rule: read nothing while free KV blocks are under the scheduler's watermark
 (a full pool admits nobody), otherwise read until `intake_ahead` requests wait in the
 engine. Everything beyond stays in Redis, where idle workers' blocking reads pick it up.
+Every entry read is taken into the engine at once: nothing is held in Redis's pending list
+that the worker does not keep fresh (claims.py), or a peer would reclaim it from a live worker.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import msgspec
 import redis
 
-from producer.protocol import FIELD, GROUP, LANES, REQUEST_ID, Keys, Request, decode_request
+from producer.protocol import FIELD, GROUP, LANES, REQUEST_ID, Keys, Request, decode_request, ensure_group
 from worker.engine.engine import Engine
 
 DEAD_LETTERS_MAXLEN = 100_000  # approximate: a flood of garbage must not grow Redis without bound
@@ -29,6 +31,11 @@ class Entry:
     entry_id: str
     fields: dict[bytes, bytes]
     deliveries: int = 1
+
+    @property
+    def owner(self) -> str:
+        """The entry as the attempt key names its owner (claims.py)."""
+        return f"{self.stream} {self.entry_id}"
 
     @property
     def payload(self) -> bytes:
@@ -87,57 +94,46 @@ def intake_room(engine: Engine, ahead: int) -> int:
 
 
 class Intake:
-    def __init__(self, client: redis.Redis, blocking: redis.Redis, keys: Keys, consumer: str) -> None:
+    def __init__(self, client: redis.Redis, blocking: redis.Redis, keys: Keys, consumer: str,
+                 replay_ttl: int) -> None:
         """`blocking` is a connection whose reply timeout allows for the BLOCK reads' wait."""
         self.client, self.blocking, self.keys, self.consumer = client, blocking, keys, consumer
+        self.replay_ttl = replay_ttl
         self.streams = [keys.requests(lane) for lane in LANES]  # fast lane first
-        # Read but not yet taken: a blocking read's COUNT applies per stream, so it may return
-        # more than the room; the rest is ours (pending under this consumer) and comes first next time.
-        self.deferred: list[Entry] = []
 
     def ensure_groups(self) -> None:
         for stream in self.streams:
-            try:
-                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as error:
-                if "BUSYGROUP" not in str(error):
-                    raise
+            ensure_group(self.client, stream)
 
     def read(self, room: int, block_ms: int | None = None) -> list[Entry]:
-        """Up to `room` new entries, fast lane first. With `block_ms`, wait that long for the
-        first one (only when the engine is idle: the wait would stall running requests)."""
+        """About `room` new entries, fast lane first. With `block_ms`, wait that long for the
+        first one (only when the engine is idle: the wait would stall running requests); COUNT
+        applies per stream, so that read may take up to `room` of each lane."""
         if room <= 0:
             return []
-        entries, self.deferred = self.deferred[:room], self.deferred[room:]
-        if entries:
-            return entries
-        try:
-            if block_ms is not None:
-                reply = self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(self.streams, ">"),
-                                                 count=room, block=block_ms)
-                entries = self._entries(reply)
-                entries, self.deferred = entries[:room], entries[room:]
-                return entries
-            for stream in self.streams:
-                if len(entries) < room:
-                    entries += self._entries(self.client.xreadgroup(GROUP, self.consumer, {stream: ">"},
-                                                                    count=room - len(entries)))
-            return entries
-        except redis.ResponseError as error:
-            if "NOGROUP" not in str(error):
-                raise
-            self.ensure_groups()  # a lane stream was deleted under us
-            return []
+        if block_ms is not None:
+            return self._entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(self.streams, ">"),
+                                                          count=room, block=block_ms))
+        entries: list[Entry] = []
+        for stream in self.streams:
+            if len(entries) < room:
+                entries += self._entries(self.client.xreadgroup(GROUP, self.consumer, {stream: ">"},
+                                                                count=room - len(entries)))
+        return entries
 
     @staticmethod
     def _entries(reply) -> list[Entry]:
         return [Entry(stream.decode(), entry_id.decode(), fields)
                 for stream, messages in reply or [] for entry_id, fields in messages]
 
-    def ack(self, entries: Iterable[Entry], dead_letters: Iterable[tuple[Entry, str, str | None]] = ()) -> None:
+    def ack(self, entries: Iterable[Entry], dead_letters: Iterable[tuple[Entry, str, str | None]] = (),
+            claimed: Iterable[str] = ()) -> None:
         """Done with these entries and with the dead letters (entry, reason, request id), which
-        are recorded first: XACK and XDEL each, so that a lane stream's length is its backlog."""
-        pipe = self.client.pipeline(transaction=False)
+        are recorded first: XACK and XDEL each, so that a lane stream's length is its backlog.
+        `claimed`: the ids among them that this worker claimed, whose attempt keys (kept while
+        their entries were pending) now get the replay stream's TTL. One MULTI: a dead letter
+        is never lost to an ack cut short, nor recorded twice."""
+        pipe = self.client.pipeline(transaction=True)
         entries = list(entries)
         for entry, reason, request_id in dead_letters:
             pipe.xadd(self.keys.dead_letters, {"id": request_id or "", "reason": reason, "entry": entry.payload,
@@ -147,4 +143,6 @@ class Intake:
         for entry in entries:
             pipe.xack(entry.stream, GROUP, entry.entry_id)
             pipe.xdel(entry.stream, entry.entry_id)
+        for request_id in claimed:
+            pipe.expire(self.keys.attempt(request_id), self.replay_ttl)
         pipe.execute()

@@ -3,9 +3,11 @@ per worker (a process may hold several, as the tests do), served on the metrics 
 worker's health checks:
 
 - /metrics: the Prometheus text format (any path other than the two below, as before);
-- /healthz: liveness. 200 while the loop turns: a turn completed in the last STALLED_AFTER_S
+- /healthz: liveness. 200 while the loop turns: a turn completed in the last --stall-timeout
   (a failing turn counts: a Redis outage is not cured by a restart), or the loop has not
-  started yet (the engine is loading); 503 once the loop is stuck (a hung step, a deadlock);
+  started yet (the engine is loading); 503 once the loop is stuck (a hung step, a deadlock),
+  at which point the worker also exits by itself (step_watch.py): compose and systemd restart
+  a process that exits, not one that is merely unhealthy;
 - /readyz: readiness. 200 only once the engine is loaded (the model, and the native kernels or
   the torch fallback), the latest turn reached Redis, the loop is not stuck and the worker is
   not draining; 503 otherwise. The gauge `worker_ready` says the same.
@@ -31,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from producer.protocol import LANES, WorkerState
+from worker.config import DEFAULT_STALL_TIMEOUT_S
 from worker.engine.engine import Engine
 from worker.engine.outputs import RequestOutput
 from worker.flight import Flight
@@ -43,9 +46,6 @@ INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
-# No turn legitimately takes this long: a blocking read waits at most 1 s, a failed turn at most
-# 5 s (service.py), and an engine step is one token budget's work: seconds, a minute on a slow CPU.
-STALLED_AFTER_S = 300.0
 
 
 def kv_usage(engine: Engine) -> float:
@@ -61,15 +61,16 @@ class Health:
     # The latest turn's Redis error: the turn after a failed one starts with housekeeping, so a
     # turn that succeeds has reached Redis.
     redis_error: str | None = None
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # WorkerConfig.stall_timeout
 
     def stall(self) -> str | None:
         """Why the loop counts as stuck, if it does."""
         if self.last_turn is None:
             return None  # not started: the engine is loading
         since = time.monotonic() - self.last_turn
-        if since <= STALLED_AFTER_S:
+        if since <= self.stall_timeout:
             return None
-        return f"the loop has not completed a turn for {since:.0f} s (limit {STALLED_AFTER_S:.0f} s)"
+        return f"the loop has not completed a turn for {since:.0f} s (limit {self.stall_timeout:.0f} s)"
 
     def unready(self) -> str | None:
         """Why the worker is not ready, if it is not."""

@@ -2,9 +2,9 @@
 
 Each request's events go through FENCED_WRITE: append to its replay stream (capped, with a
 TTL) and publish on its channel, only while its attempt key still holds this worker's
-attempt. A worker that stalled past the reclaim threshold, and so lost a request to
-another, cannot write one event more: the script answers 0 and the worker drops the
-request without acking it. Numbering (`seq`) is per request and continues across attempts.
+attempt of the entry (`Flight.fence`, claims.py). A worker that stalled past the reclaim
+threshold, and so lost a request to another, cannot write one event more: the script answers
+0 and the worker drops the request without acking it. Numbering (`seq`) is per request and continues across attempts.
 The same script keeps the request's submission key (`Keys.submitted`) alive at least as long
 as its replay stream, and with the terminal event gives both the same TTL: consumers find the
 id as long as its events, and once both expire they are told it expired (producer/core.py).
@@ -22,7 +22,7 @@ from worker.flight import Flight
 
 FENCED_WRITE = """
 -- KEYS: attempt key, replay stream, submission key.
--- ARGV: attempt, channel, field, maxlen, ttl, terminal (1/0), event...
+-- ARGV: fence (the attempt key's value for this writer), channel, field, maxlen, ttl, terminal (1/0), event...
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
@@ -31,7 +31,6 @@ for i = 7, #ARGV do
   redis.call('PUBLISH', ARGV[2], ARGV[i])
 end
 redis.call('EXPIRE', KEYS[2], ARGV[5])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
 if ARGV[6] == '1' then
   redis.call('EXPIRE', KEYS[3], ARGV[5])
 else
@@ -87,6 +86,6 @@ class Outbox:
         for flight in batch:
             request_id = flight.request_id
             pipe.evalsha(self.sha, 3, self.keys.attempt(request_id), self.keys.replay(request_id),
-                         self.keys.submitted(request_id), flight.attempt, self.keys.tokens(request_id), FIELD,
+                         self.keys.submitted(request_id), flight.fence, self.keys.tokens(request_id), FIELD,
                          self.replay_maxlen, self.replay_ttl, int(flight.finished), *flight.pending)
         return pipe.execute()

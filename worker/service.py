@@ -14,20 +14,25 @@ A Redis error (or any other failure of a turn) drops every request held: their e
 pending under this worker, which takes them back (without raising their delivery counts) and
 resumes each from its replay stream at the first housekeeping that reaches Redis again, so
 nothing is written twice or lost, and a blip costs a recompute. Turns that keep failing are
-spaced out, up to MAX_RETRY_S apart. A failed engine step is the engine's to recover from
-(engine.py); a long one is kept alive by step_watch.py.
+spaced out, up to MAX_TURN_RETRY_S apart. One error is no such failure: NOGROUP, a lane stream
+(or its group) deleted under the worker, which makes the group again and goes on with what it
+holds. A failed engine step is the engine's to recover from (engine.py); a long one is kept
+alive by step_watch.py, and a hung one ends the process.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import time
 
 import msgspec
 import redis
 import structlog
 
-from producer.protocol import LANES, Keys, Request, connection_options, decode_request, encode
+from producer.protocol import (LANES, ErrorEvent, Keys, Request, connection_options, decode_request, encode,
+                               is_missing_group)
 from worker.cancels import Cancels
 from worker.claims import Claim, Claims
 from worker.config import WorkerConfig
@@ -35,19 +40,20 @@ from worker.engine.engine import Engine
 from worker.engine.inputs import PromptError
 from worker.engine.sequence import FinishReason
 from worker.flight import Flight
-from worker.heartbeat import Heartbeat, StartupBeat
+from worker.heartbeat import Heartbeat, StartupBeat, new_consumer
 from worker.intake import Entry, Intake, Rejected, decode_entry, engine_prompt, intake_room
 from worker.metrics import Health, Metrics
 from worker.outbox import Outbox
 from worker.step_watch import StepWatch
 
-RETRY_S, MAX_RETRY_S = 0.1, 5.0  # the wait after a failed turn, doubling while turns keep failing
+TURN_RETRY_S, MAX_TURN_RETRY_S = 0.1, 5.0  # the wait after a failed turn, doubling while turns keep failing
+SWEEP_BEATS = 30  # housekeeping rounds between sweeps of dead consumers and old dead letters
+EXIT_STALLED = 70  # the process's status when it ends itself for a stuck loop (EX_SOFTWARE)
 
 
 def retry_wait_s(failures: int) -> float:
     """The wait after the `failures`-th failure in a row (of a turn, or of reaching Redis at start)."""
-    return min(MAX_RETRY_S, RETRY_S * 2 ** (failures - 1))
-SWEEP_BEATS = 30  # housekeeping rounds between sweeps of dead consumers and old dead letters
+    return min(MAX_TURN_RETRY_S, TURN_RETRY_S * 2 ** (failures - 1))
 
 
 class Worker:
@@ -56,12 +62,13 @@ class Worker:
         metrics port is served from before the load, so that /readyz says "starting" all along."""
         self.config = config
         self.keys = Keys(config.prefix)
+        self.consumer = new_consumer(config.name)
         self.client = redis.Redis.from_url(config.redis_url, **connection_options())
-        self.health = Health()
+        self.health = Health(stall_timeout=config.stall_timeout)
         self.metrics = Metrics(self.health)
         self.metrics_server = self.metrics.serve(config.metrics_port) if config.metrics_port is not None else None
-        self.heartbeat = Heartbeat(self.client, self.keys, config, self.metrics)
-        self.log = structlog.get_logger("worker").bind(worker=config.name)
+        self.heartbeat = Heartbeat(self.client, self.keys, config, self.metrics, self.consumer)
+        self.log = structlog.get_logger("worker").bind(worker=config.name, consumer=self.consumer)
         if engine is None:
             with StartupBeat(self.heartbeat, self.log) as on_phase:
                 engine = Engine(config.engine, on_phase=on_phase)
@@ -71,11 +78,12 @@ class Worker:
                              f"({self.engine.max_model_len}): every event of a request must stay replayable")
         self.wait_for_redis()
         blocking = redis.Redis.from_url(config.redis_url, **connection_options(blocking_ms=config.block_ms))
-        self.intake = Intake(self.client, blocking, self.keys, config.name)
-        self.claims = Claims(self.client, self.keys, config.name, config.replay_ttl, config.reclaim_idle_ms)
+        self.intake = Intake(self.client, blocking, self.keys, self.consumer, config.replay_ttl)
+        self.claims = Claims(self.client, self.keys, self.consumer, config.replay_ttl, config.reclaim_idle_ms)
         self.outbox = Outbox(self.client, self.keys, config.replay_maxlen, config.replay_ttl)
         self.cancels = Cancels(self.client, self.keys)
-        self.step_watch = StepWatch(config.heartbeat_interval, self.keep_alive, self.log)
+        self.step_watch = StepWatch(config.heartbeat_interval, self.keep_alive, self.health.stall, self.exit_stalled,
+                                    self.log)
         self.intake.ensure_groups()
         self.lanes = {self.keys.requests(lane): lane for lane in LANES}
         # Pinned prefixes, by name: this worker's own (--pin-prefix) and those published in Redis.
@@ -86,6 +94,7 @@ class Worker:
         self.flights: dict[str, Flight] = {}
         self.next_housekeeping = 0.0
         self.housekeeping_rounds = 0
+        self.inherited = False  # the entries of this worker's earlier lives, taken at the first housekeeping
         self.failed_turns = 0  # in a row
         self.generated = 0  # tokens, for the heartbeat's rate
         self.stopping = False  # set by a signal handler: nothing else happens there
@@ -111,6 +120,7 @@ class Worker:
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> None:
         self.log.info("worker.ready", model=self.config.engine.model, num_blocks=self.engine.pool.num_blocks)
+        self.health.last_turn = time.monotonic()  # the stall clock starts with the loop
         try:
             while not self.done:
                 self.turn()
@@ -120,27 +130,48 @@ class Worker:
     def turn(self) -> None:
         """One poll. A failure costs the requests held (their entries stay pending for a reclaim),
         never the worker; the engine recovers from a failed step by itself (engine.py)."""
+        failed = True
         try:
             self.poll()
-            self.failed_turns = 0
-            self.health.redis_error = None
+            failed = False
         except redis.RedisError as error:
-            self.log.error("worker.redis_error", error=str(error), failed_turns=self.failed_turns + 1)
-            self.health.redis_error = str(error)
-            self.drop_all("redis error")
+            if is_missing_group(error):
+                failed = not self.recreate_groups(error)
+            else:
+                self.log.error("worker.redis_error", error=str(error), failed_turns=self.failed_turns + 1)
+                self.health.redis_error = str(error)
+                self.drop_all("redis error")
         except Exception:
             self.log.exception("worker.turn_failed", failed_turns=self.failed_turns + 1)
             self.drop_all("worker error")
         self.health.last_turn = time.monotonic()
+        if failed:
+            self.failed_turns += 1
+            time.sleep(retry_wait_s(self.failed_turns))
+        else:
+            self.failed_turns = 0
+            self.health.redis_error = None
+
+    def recreate_groups(self, error: redis.RedisError) -> bool:
+        """A lane stream or its group was deleted under us: make it again and go on with what we hold
+        (entries the group forgot are either gone with their stream or delivered again, and a
+        request found finished on its claim is only acked). -> whether Redis took it."""
+        self.log.warning("worker.lane_group_missing", error=str(error))
+        try:
+            self.intake.ensure_groups()
+        except redis.RedisError as failure:
+            self.log.error("worker.redis_error", error=str(failure), failed_turns=self.failed_turns + 1)
+            self.health.redis_error = str(failure)
+            self.drop_all("redis error")
+            return False
+        return True
 
     def drop_all(self, reason: str) -> None:
-        """After a failed turn: every request goes (taken back by the next housekeeping), and the
-        next turn waits a while, the longer the more turns failed in a row."""
+        """After a failed turn: every request goes, taken back by the next housekeeping (the turn
+        then waits a while, the longer the more turns failed in a row)."""
         for flight in list(self.flights.values()):
             self.drop(flight, reason)
         self.next_housekeeping = 0.0  # take them back as soon as Redis answers
-        self.failed_turns += 1
-        time.sleep(retry_wait_s(self.failed_turns))
 
     def stop(self) -> None:
         """Drain (SIGTERM): safe to call from a signal handler."""
@@ -171,8 +202,14 @@ class Worker:
             self.drop(flight, "claimed by another worker")
         self.cancel(self.cancels.swept([request_id for request_id, flight in self.flights.items() if flight.sequence]))
         if self.drain_until is None:
+            if not self.inherited:
+                inherited = self.claims.inherit()
+                self.inherited = True
+                if inherited:
+                    self.metrics.reclaimed.inc(len(inherited))
+                    self.log.info("worker.inherited", entries=[entry.entry_id for entry in inherited])
+                    self.take(inherited)
             held = {(flight.entry.stream, flight.entry.entry_id) for flight in self.flights.values()}
-            held |= {(entry.stream, entry.entry_id) for entry in self.intake.deferred}
             taken_back = self.claims.take_back(held, intake_room(self.engine, self.config.intake_ahead))
             if taken_back:
                 self.log.info("worker.took_back", entries=[entry.entry_id for entry in taken_back])
@@ -233,6 +270,14 @@ class Worker:
         self.claims.refresh(flights)  # any lost ones are found again, and dropped, by the next housekeeping
         self.heartbeat.extend()
 
+    def exit_stalled(self, reason: str) -> None:
+        """The loop is stuck (StepWatch's thread, while the main thread is in the hung call): end
+        the process, so that its requests are reclaimed and its restart policy starts it again."""
+        self.log.critical("worker.stalled", reason=reason, in_flight=len(self.flights), exit_status=EXIT_STALLED)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STALLED)
+
     # --- intake ------------------------------------------------------------------------
     def take(self, entries: list[Entry]) -> None:
         accepted: dict[str, tuple[Entry, Request | Rejected]] = {}
@@ -253,13 +298,15 @@ class Worker:
                 accepted[request_id] = (entry, request)
         if dead:
             self.reject(dead)
-        lanes = {request_id: self.lanes[entry.stream] for request_id, (entry, _) in accepted.items()}
-        for (request_id, (entry, request)), claim in zip(accepted.items(), self.claims.claim(lanes)):
+        claimed = {request_id: (entry, self.lanes[entry.stream]) for request_id, (entry, _) in accepted.items()}
+        for (request_id, (entry, request)), claim in zip(accepted.items(), self.claims.claim(claimed)):
             if claim.problem:
-                self.claims.reject(request_id, lanes[request_id], claim.problem)  # ends its consumers' streams
-                self.reject([(entry, claim.problem, request_id)])
-            elif claim.terminal:  # finished on an earlier attempt, whose ack was lost
-                self.intake.ack([entry])
+                self.claims.reject(request_id, claimed[request_id][1], claim.problem)  # ends its consumers' streams
+                self.reject([(entry, claim.problem, request_id)], claimed=[request_id])
+            elif isinstance(claim.terminal, ErrorEvent):  # refused on an earlier attempt, whose ack was lost
+                self.reject([(entry, claim.terminal.message, request_id)], claimed=[request_id])
+            elif claim.terminal is not None:  # finished on an earlier attempt, whose ack was lost
+                self.intake.ack([entry], claimed=[request_id])
             else:
                 self.start(request_id, entry, request, claim)
 
@@ -297,11 +344,12 @@ class Worker:
         self.outbox.add_error(flight, code, message)
         flight.dead_letter = message
 
-    def reject(self, dead: list[tuple[Entry, str, str | None]]) -> None:
-        """Dead-letter entries that get no event (no usable id, or no way to number one)."""
+    def reject(self, dead: list[tuple[Entry, str, str | None]], claimed: list[str] = ()) -> None:
+        """Dead-letter entries that get no event here (no usable id, no way to number one, or their
+        error event written already); `claimed`: the ids among them this worker claimed."""
         for entry, reason, request_id in dead:
             self.log.warning("entry.rejected", entry_id=entry.entry_id, request_id=request_id, reason=reason)
-        self.intake.ack((), dead)
+        self.intake.ack((), dead, claimed)
         self.metrics.dead_letters.inc(len(dead))
 
     # --- cancellation (see cancels.py) and deadlines --------------------------------------
@@ -344,18 +392,19 @@ class Worker:
             self.outbox.add_output(flight, output)
 
     def publish(self) -> None:
-        done, dead = [], []
+        done, dead, claimed = [], [], []
         for flight, written in self.outbox.flush(list(self.flights.values())):
             if not written:
                 self.drop(flight, "claimed by another worker")
             elif flight.finished:
                 del self.flights[flight.request_id]
+                claimed.append(flight.request_id)
                 if flight.dead_letter:
                     dead.append((flight.entry, flight.dead_letter, flight.request_id))
                 else:
                     done.append(flight.entry)
-        if done or dead:
-            self.intake.ack(done, dead)
+        if claimed:
+            self.intake.ack(done, dead, claimed)
             self.metrics.dead_letters.inc(len(dead))
 
     def drop(self, flight: Flight, reason: str) -> None:
@@ -368,19 +417,22 @@ class Worker:
     # --- shutdown ----------------------------------------------------------------------
     def hand_back(self) -> None:
         flights = list(self.flights.values())
-        self.claims.hand_back([flight.entry for flight in flights] + self.intake.deferred)
-        self.intake.deferred = []
+        self.claims.hand_back([flight.entry for flight in flights])
         for flight in flights:
             self.drop(flight, "handed back")
 
     def close(self) -> None:
+        """Leave the group and stop the heartbeat (what Redis lets us do of it), then let go of
+        the threads, the metrics port and every Redis connection."""
         try:
             self.heartbeat.clear()
             self.claims.retire()
         except redis.RedisError as error:
             self.log.error("worker.close_failed", error=str(error))
-        self.cancels.close()
         self.step_watch.close()
+        self.cancels.close()
+        self.intake.blocking.close()
+        self.client.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()

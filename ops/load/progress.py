@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from ops.demo_view import percentile
+from ops.percentile import percentile
 
 if TYPE_CHECKING:
     from ops.load.runner import RunResult

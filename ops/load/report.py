@@ -23,7 +23,7 @@ import msgspec
 from rich.console import Group
 from rich.table import Table
 
-from ops.demo_view import percentile
+from ops.percentile import percentile
 from ops.load.runner import RequestRecord, RunResult
 from producer import DoneEvent
 

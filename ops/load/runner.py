@@ -194,10 +194,10 @@ def private_deployment(worker_args: Sequence[str] = (), model: str = "smollm2-13
         url = stack.enter_context(redis_at(None, Path(scratch), console))
         port = free_port()
         log = Path(scratch) / "worker.log"
-        command = [sys.executable, "-m", "worker", "--model", model, "--redis-url", url, "--name", name,
+        command = [sys.executable, "-m", "worker", "--model", model, "--name", name,
                    "--metrics-port", str(port), "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S), *worker_args]
         console.print(f"[bold]worker:[/] starting {' '.join(['python', *command[1:]])}")
-        worker = stack.enter_context(running_process(command, log))
+        worker = stack.enter_context(running_process(command, log, url))
         took = wait_until_ready(url, name, worker, log, stall_timeout, console)
         console.print(f"[bold]worker:[/] ready after {took:.1f} s")
         yield url, f"http://127.0.0.1:{port}/metrics"

@@ -112,6 +112,30 @@ def test_pinned_prefix_survives_eviction_and_unpin_releases_it():
         pool.unpin_prefix(system)
 
 
+def test_pins_that_share_a_head_hold_it_once_and_unpinning_one_keeps_it_for_the_other():
+    pool = BlockPool(8, 16)
+    head, tail_a, tail_b = list(range(16)), list(range(100, 116)), list(range(200, 216))
+    pool.pin_prefix(head + tail_a)
+    owner = make_seq(head + tail_a + tail_b + [7], "owner")  # computes the head and both tails' blocks
+    admit(pool, owner)
+    pool.free_sequence(owner)
+    head_block, block_a = (pool.cached[h] for h in owner.block_hashes[:2])
+    pool.pin_prefix(head + tail_a)  # the same prefix again: its blocks are pinned already
+    assert (head_block.ref_count, block_a.ref_count) == (1, 1), "a pin holds one reference, however many pin it"
+    pool.unpin_prefix(head + tail_a)
+    assert head_block.pinned and block_a.pinned and head_block.ref_count == 1  # the other pin of it stays
+
+    other = make_seq(head + tail_b + [7], "other")
+    pool.pin_prefix(head + tail_b)
+    admit(pool, other)
+    pool.free_sequence(other)
+    pool.unpin_prefix(head + tail_a)
+    assert not block_a.pinned and block_a.ref_count == 0  # its own block goes
+    assert head_block.pinned and head_block.ref_count == 1, "the head is still pinned by the other prefix"
+    pool.unpin_prefix(head + tail_b)
+    assert not head_block.pinned and head_block.ref_count == 0 and pool.stats().pinned == 0
+
+
 def test_disabled_prefix_caching_never_hits():
     pool = BlockPool(8, 16, enable_prefix_caching=False)
     admit(pool, make_seq(range(40), "a"))

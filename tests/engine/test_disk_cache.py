@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.engine.disk_cache import LockTimeout, build_once, exclusive
+from worker.engine.disk_cache import LockTimeout, build_once, exclusive, rebuild
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,3 +127,18 @@ def test_a_failed_build_publishes_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="compiler says no"):
         build_once(tmp_path / "thing", crash, what="building the thing", wait_s=5)
     assert [p.name for p in tmp_path.iterdir()] == [".thing.lock"]
+
+
+def test_a_broken_build_is_built_again_once_unless_another_process_did_it_first(tmp_path):
+    def build(scratch: Path) -> None:
+        (scratch / "lib.so").write_text(f"build {len(builds)}")
+        builds.append(scratch)
+
+    builds: list[Path] = []
+    target = build_once(tmp_path / "thing", build, what="building", wait_s=5)
+    (target / "lib.so").unlink()  # broken under the cache
+    found = target.stat()
+    assert rebuild(target, found, build, what="building", wait_s=5)
+    assert (target / "lib.so").read_text() == "build 1" and len(builds) == 2
+    assert not rebuild(target, found, build, what="building", wait_s=5), "the copy found broken is gone already"
+    assert len(builds) == 2 and sorted(p.name for p in tmp_path.iterdir()) == [".thing.lock", "thing"]

@@ -1,6 +1,7 @@
 """Extension: a real C++ build killed with SIGKILL in the middle of compiling, then loaded by the
-next process; builds keyed by what they are built from; and the kernels' fallback, with one
-warning, when another process's build outlasts the wait."""
+next process, and built again once its library is deleted from the cache; builds keyed by what
+they are built from; and the kernels' fallback, with one warning, when another process's build
+outlasts the wait."""
 
 import logging
 import os
@@ -11,7 +12,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 
 from worker.engine import extension, kernels
 from worker.engine.disk_cache import exclusive
@@ -65,6 +65,15 @@ def test_a_build_killed_while_compiling_does_not_block_the_next_load(tmp_path):
     assert names[1].startswith("sb_test_add_one-")  # the killed build's scratch directory is gone
     third = load_in_a_process(source, cache)  # loads the build, builds nothing
     assert third.communicate(timeout=60)[0].strip() == "loaded 42"
+
+    [build] = (cache / "kernels").glob("sb_test_add_one-*")
+    (build / "sb_test_add_one.so").unlink()  # a cache cleaner took the library, left the directory
+    fourth = load_in_a_process(source, cache, stderr=subprocess.PIPE)
+    out, err = fourth.communicate(timeout=240)
+    assert fourth.returncode == 0 and out.strip() == "loaded 42", err
+    assert "does not load" in err and "building it again" in err
+    assert (build / "sb_test_add_one.so").is_file()  # built again, in the same place, once
+    assert sorted(p.name for p in (cache / "kernels").iterdir()) == names
 
 
 def test_builds_are_keyed_by_sources_and_flags(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from worker.engine import kernels
-from worker.engine.linear import (PackedLinear, ProjectionSlice, fuse_projections, pack_linear_layers,
+from worker.engine.linear import (PackedLinear, pack_linear_layers,
                                   packing_backend, packing_works)
 
 

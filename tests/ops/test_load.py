@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from ops.demo import free_port, wait_until_ready
-from ops.demo_view import percentile
+from ops.percentile import percentile
 from ops.load.__main__ import COMPARE_WORKER_ARGS, build_parser
 from ops.load.compare import compare
 from ops.load.report import ALL, LaneReport, Percentiles, Report, latencies, summarize

@@ -5,13 +5,14 @@ and writes every event the way the worker does: XADD to the replay stream (cappe
 TTL) and PUBLISH of the same bytes, in one MULTI. Tests can also write events one by one,
 replay-only or publish-only, to stage duplicates, lost publishes and gaps.
 
-    python -m tests.producer.fake_worker --redis-url URL --name NAME [--startup-phase P ...]
+    python -m tests.producer.fake_worker [--redis-url URL] --name NAME [--startup-phase P ...]
     (the demo's stand-in)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 import time
@@ -21,7 +22,7 @@ import msgspec
 import redis
 
 from producer.protocol import (FIELD, GROUP, LANES, DoneEvent, ErrorEvent, Event, Keys, Request,
-                               Timings, TokenEvent, Usage, decode_request, encode)
+                               Timings, TokenEvent, Usage, decode_request, encode, ensure_group)
 
 
 def token(seq: int, text: str, attempt: int = 1) -> TokenEvent:
@@ -53,11 +54,7 @@ class FakeWorker:
         self.name = name
         self.step_delay = step_delay
         for lane in LANES:
-            try:
-                self.redis.xgroup_create(self.keys.requests(lane), GROUP, id="0", mkstream=True)
-            except redis.ResponseError as err:
-                if "BUSYGROUP" not in str(err):
-                    raise
+            ensure_group(self.redis, self.keys.requests(lane))
 
     def take(self, block_ms: int | None = None, count: int = 10) -> list[Taken]:
         streams = {self.keys.requests(lane): ">" for lane in LANES}
@@ -137,7 +134,9 @@ class running:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--redis-url", default=os.environ.get("STREAMBATCH_REDIS_URL"),
+                        required="STREAMBATCH_REDIS_URL" not in os.environ,
+                        help="as the worker's: the flag or the variable")
     parser.add_argument("--name", default="fake")
     parser.add_argument("--model", default="fake-model")
     parser.add_argument("--step-delay", type=float, default=0.01)

@@ -11,7 +11,8 @@ import redis
 from rich.console import Console
 
 from ops.demo import DemoError, chosen_prompts, redis_at, run
-from ops.demo_view import CHAT_PROMPTS, Watched, panels, percentile, summary
+from ops.demo_view import CHAT_PROMPTS, Watched, panels, summary
+from ops.percentile import percentile
 from producer import DoneEvent
 from producer.protocol import Timings, Usage
 

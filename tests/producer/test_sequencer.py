@@ -64,6 +64,19 @@ def test_first_copy_of_a_seq_wins_and_nothing_follows_a_terminal_event():
     assert held.push(token(0, "a"))[1] is early  # held back or not, the first copy is the one
 
 
+def test_nothing_after_the_terminal_event_is_released_or_held():
+    """The two terminal guards: an event past the terminal that arrives after it, and one that
+    arrived early and is held when the terminal comes."""
+    late = EventSequencer()
+    late.push(token(0, "a"))
+    assert late.push(error(1)) == [error(1)]
+    assert late.push(token(2, "late")) == [] and not late.has_gap  # not held either: nothing is awaited
+    early = EventSequencer()
+    assert early.push(token(2, "early")) == [] and early.push(token(0, "a")) == [token(0, "a")]
+    assert early.push(error(1)) == [error(1)]  # the early seq 2 stays unreleased
+    assert early.finished and not early.has_gap
+
+
 def test_held_back_events_are_released_when_the_gap_fills():
     sequencer = EventSequencer()
     assert sequencer.push(token(1, "b")) == [] and sequencer.has_gap

@@ -11,6 +11,7 @@ from producer import AsyncProducer, Disconnected, EventsLost, Producer, UnknownR
 from producer import core as producer_core
 from producer.core import Steps
 from producer.protocol import Keys, Request, Submission, encode
+from tests.conftest import private_redis
 from tests.producer.fake_worker import FakeWorker, done, token
 
 KEYS = Keys("sb")
@@ -148,3 +149,68 @@ def test_a_second_submit_of_an_id_left_mid_way_waits_for_the_claim_to_lapse_and_
         handle = producer.submit("x", request_id="retried")  # the caller's retry
         assert not handle.duplicate and 0.5 < time.monotonic() - started < 3
         assert producer.redis.xlen(KEYS.requests(handle.lane)) == 1
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of this test's own, to pause and kill: -> (url, process)."""
+    with private_redis(tmp_path) as server:
+        yield server
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_a_server_that_pauses_then_dies_before_confirming_the_subscription_ends_the_stream_without_spinning(
+        own_redis, monkeypatch, client):
+    """The stream used to wait for SUBSCRIBE's reply by polling a dead connection: 800,000 polls and
+    47 s of CPU in 70 s, never giving up. Now it backs off, and gives up after its patience."""
+    import redis
+
+    monkeypatch.setattr(producer_core, "RECONNECT_PATIENCE_S", 2.0)
+    url, server = own_redis
+    admin = redis.Redis.from_url(url)
+    producer = (Producer if client == "sync" else AsyncProducer)(url, **QUICK)
+    listens, perform = [], producer._perform
+
+    def counted(operation, pubsub):
+        if isinstance(operation, producer_core.Listen):
+            listens.append(time.monotonic())
+        return perform(operation, pubsub)
+
+    producer._perform = counted
+    pool, paused = producer._listener.connection_pool, threading.Event()
+    connect = pool.get_connection
+
+    def pause_once_connected(connection):  # SUBSCRIBE goes out next, and its reply is held back
+        admin.client_pause(60_000, all=True)
+        paused.set()
+        return connection
+
+    if client == "sync":
+        pool.get_connection = lambda *args, **kwargs: pause_once_connected(connect(*args, **kwargs))
+    else:
+        async def connect_then_pause(*args, **kwargs):
+            return pause_once_connected(await connect(*args, **kwargs))
+        pool.get_connection = connect_then_pause
+    outcome = []
+
+    def consume():
+        async def drain():
+            return [event async for event in producer.stream("r")]
+
+        try:
+            list(producer.stream("r")) if client == "sync" else asyncio.run(drain())
+        except Exception as error:
+            outcome.append(error)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    assert paused.wait(10)
+    time.sleep(0.5)
+    assert listens, "waiting for the confirmation"
+    server.kill()
+    killed_at = time.monotonic()
+    consumer.join(timeout=15)
+    assert not consumer.is_alive(), f"still waiting after {len(listens)} polls"
+    [error] = outcome
+    assert isinstance(error, Disconnected)
+    assert len([at for at in listens if at > killed_at]) < 20, "polled a dead connection without backing off"

@@ -68,6 +68,15 @@ def make_worker(redis_url, model):
         worker.close()
 
 
+def killed(worker: Worker) -> None:
+    """What kill -9 leaves of an in-process worker: its threads and connections stop, and nothing a
+    clean exit does (handing back, leaving the group, clearing the heartbeat) is done."""
+    worker.step_watch.close()
+    worker.cancels.close()
+    worker.intake.blocking.close()
+    worker.client.close()
+
+
 def paced(worker: Worker, step_s: float = 0.01) -> Worker:
     """Every engine step of `worker` takes at least `step_s`: a test that needs a request still
     running a while later must not depend on how fast this machine runs the tiny model."""
@@ -125,9 +134,11 @@ def assert_numbered(events: list) -> None:
     assert [isinstance(event, TERMINAL) for event in events] == [False] * (len(events) - 1) + [True]
 
 
-def run_until(workers: list[Worker], done, timeout: float = 30.0) -> None:
+def run_until(workers: list[Worker], done, timeout: float = 30.0, survive: bool = False) -> None:
+    """Poll the workers in turn until `done()`; with `survive`, each turns as Worker.run does (a
+    failed turn is survived) instead of polling (where a failure raises)."""
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, "timed out"
         for worker in workers:
-            worker.poll()
+            worker.turn() if survive else worker.poll()

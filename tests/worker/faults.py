@@ -26,11 +26,12 @@ from producer import Producer
 from producer.errors import EventsLost, ProtocolViolation, QueueFull, UnknownRequest
 from producer.protocol import (FIELD, GROUP, LANES, TERMINAL, DoneEvent, Event, SamplingParams, TokenEvent,
                                decode_event, decode_request)
+from worker.heartbeat import worker_of
 
 from .conftest import KEYS, MODEL, NUM_BLOCKS, offline, tokens_of
 
 ROOT = Path(__file__).resolve().parents[2]
-RETRY_S = 0.1  # a client's pause before it tries Redis again
+CLIENT_RETRY_S = 0.1  # a load client's pause before it tries Redis again
 LATE_CONSUMERS = 8  # threads that stream the requests not followed live, once the load stops
 SYSTEM_PROMPTS = [[(7 * i + 11 * k) % 480 + 2 for k in range(length)] for i, length in enumerate((32, 48, 40))]
 
@@ -107,7 +108,7 @@ class RedisServer:
 # --- workers -------------------------------------------------------------------------------
 class Workers:
     """`python -m worker` processes on the tiny model, one log each; a name restarted keeps its
-    name (its consumer in the group) and gets a fresh log."""
+    name (and heartbeat key; its consumer in the group is new) and gets a fresh log."""
 
     def __init__(self, url: str, logdir: Path, *flags: str) -> None:
         self.url, self.logdir, self.flags = url, logdir, flags
@@ -187,7 +188,7 @@ def in_flight(client: redis.Redis, active_ms: int = 1000) -> dict[str, list[str]
                 request_id = decode_request(fields[FIELD]).id
                 events = replay(client, request_id)
                 if events and not isinstance(events[-1], TERMINAL):
-                    held[entry["consumer"].decode()].append(request_id)
+                    held[worker_of(entry["consumer"].decode())].append(request_id)
     return held
 
 
@@ -375,7 +376,7 @@ class Load:
                 return False
             except (redis.RedisError, ConnectionError) as error:  # ConnectionError: the producer's Disconnected
                 followed.submit_errors.append(type(error).__name__)
-                time.sleep(RETRY_S)
+                time.sleep(CLIENT_RETRY_S)
 
     def _follow(self, followed: Followed, pause_s: float) -> None:
         with self.lock:
@@ -403,7 +404,7 @@ class Load:
                 return
             except (redis.RedisError, ConnectionError) as error:
                 followed.stream_errors.append(type(error).__name__)
-                time.sleep(RETRY_S)
+                time.sleep(CLIENT_RETRY_S)
             except (EventsLost, UnknownRequest, TimeoutError, ProtocolViolation) as error:
                 followed.end, followed.end_message = type(error).__name__, str(error)
                 return

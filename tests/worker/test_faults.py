@@ -199,7 +199,10 @@ def test_a_worker_stopped_past_the_reclaim_time_is_fenced_off_then_serves_again(
                        "a should be mid-batch")
     group.signal("a", signal.SIGSTOP)
     # b reclaims a's requests once they have been idle past --reclaim-idle-ms (1.5 s)
-    wait_for(lambda: all(int(client.get(KEYS.attempt(request_id)) or 0) >= 2 for request_id in stopped), 30,
+    def attempt(request_id: str) -> int:  # the attempt key holds "<attempt> <stream> <entry id>"
+        return int((client.get(KEYS.attempt(request_id)) or b"0").split()[0])
+
+    wait_for(lambda: all(attempt(request_id) >= 2 for request_id in stopped), 30,
              "b did not reclaim the stopped worker's requests")
     group.signal("a", signal.SIGCONT)  # b is still generating them: a's next writes must be refused
     time.sleep(3)

@@ -16,8 +16,9 @@ from msgspec.structs import replace
 
 from producer import Producer
 from producer.protocol import DoneEvent, Request
+from worker.config import DEFAULT_STALL_TIMEOUT_S
 from worker.engine.engine import Engine
-from worker.metrics import STALLED_AFTER_S, Health, Metrics
+from worker.metrics import Health, Metrics
 from worker.service import Worker
 
 from .conftest import greedy, is_finished, replay, submit
@@ -58,7 +59,7 @@ def without_reason(answer: tuple[int, dict]) -> tuple[int, dict]:
 
 
 def stalled() -> Health:
-    return Health("ready", last_turn=time.monotonic() - STALLED_AFTER_S - 100)
+    return Health("ready", last_turn=time.monotonic() - DEFAULT_STALL_TIMEOUT_S - 100)
 
 
 @pytest.mark.parametrize("health, healthz, readyz", [  # each made when the test runs: a turn just now
@@ -128,7 +129,7 @@ def test_a_worker_is_not_ready_while_its_turns_fail_on_redis_and_a_stall_ends_wi
     worker.turn()
     assert probe(port, "/readyz") == READY
 
-    monkeypatch.setattr("worker.service.RETRY_S", 0)
+    monkeypatch.setattr("worker.service.TURN_RETRY_S", 0)
 
     def refused(*_):
         raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
@@ -143,6 +144,8 @@ def test_a_worker_is_not_ready_while_its_turns_fail_on_redis_and_a_stall_ends_wi
     worker.turn()
     assert probe(port, "/readyz") == READY
 
+    stalls = []
+    monkeypatch.setattr(worker.step_watch, "on_stall", stalls.append)  # the process would end (test_watchdog.py)
     worker.health.last_turn = stalled().last_turn  # as if the last turn ended long ago
     assert without_reason(probe(port, "/healthz")) == (503, {"alive": False, "state": "ready"})
     worker.turn()

@@ -20,9 +20,11 @@ def outbox(any_client):
 
 
 def owned(any_client, request_id: str, attempt: int = 1, next_seq: int = 0) -> Flight:
-    any_client.set(KEYS.attempt(request_id), attempt)
-    return Flight(request_id, Entry(KEYS.requests("normal"), "1-0", {}), attempt, next_seq,
-                  log=structlog.get_logger().bind(request_id=request_id))
+    """A flight whose claim holds the request's attempt key (as claims.py leaves it)."""
+    flight = Flight(request_id, Entry(KEYS.requests("normal"), "1-0", {}), attempt, next_seq,
+                    log=structlog.get_logger().bind(request_id=request_id))
+    any_client.set(KEYS.attempt(request_id), flight.fence)
+    return flight
 
 
 def token(request_id: str, token_id: int) -> RequestOutput:
@@ -44,7 +46,8 @@ def test_outputs_become_events_numbered_from_where_the_request_stands(outbox, an
                   timings=Timings(queued=0.1, ttft=0.2, total=0.3)),
     ]
     assert flight.pending == [] and flight.next_seq == 8
-    assert 0 < any_client.ttl(KEYS.replay("a")) <= 60 and 0 < any_client.ttl(KEYS.attempt("a")) <= 60
+    assert 0 < any_client.ttl(KEYS.replay("a")) <= 60
+    assert any_client.ttl(KEYS.attempt("a")) == -1, "the fence lasts while the entry is pending: the ack ends it"
 
 
 def command_calls(client) -> dict[str, int]:
@@ -76,12 +79,15 @@ def test_the_writes_of_a_superseded_attempt_are_refused(outbox, any_client):
     flight = owned(any_client, "a")
     outbox.add_output(flight, token("a", 1))
     assert outbox.flush([flight]) == [(flight, True)]
-    any_client.incr(KEYS.attempt("a"))  # another worker claimed the request
+    any_client.set(KEYS.attempt("a"), f"2 {flight.entry.owner}")  # another worker claimed the request
     outbox.add_output(flight, token("a", 2))
     assert outbox.flush([flight]) == [(flight, False)]
     assert [event.ids for event in replay(any_client, "a")] == [[1]] and flight.pending == []
-    any_client.delete(KEYS.attempt("a"))  # expired: refused too
+    any_client.set(KEYS.attempt("a"), f"1 {KEYS.requests('normal')} 2-0")  # attempt 1 of another entry of the id
     outbox.add_output(flight, token("a", 3))
+    assert outbox.flush([flight]) == [(flight, False)]
+    any_client.delete(KEYS.attempt("a"))  # gone: refused too
+    outbox.add_output(flight, token("a", 4))
     assert outbox.flush([flight]) == [(flight, False)]
 
 

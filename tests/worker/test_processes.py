@@ -10,6 +10,7 @@ from collections import defaultdict
 import pytest
 
 from producer.protocol import FIELD, GROUP, Request, decode_event, decode_request
+from worker.heartbeat import worker_of
 
 from .conftest import (
     KEYS,
@@ -53,7 +54,7 @@ def owners(client) -> dict[str, list[str]]:
     request_ids = {entry_id: decode_request(fields[FIELD]).id for entry_id, fields in client.xrange(stream)}
     held = defaultdict(list)
     for entry in client.xpending_range(stream, GROUP, "-", "+", 100):
-        held[entry["consumer"].decode()].append(request_ids[entry["message_id"]])
+        held[worker_of(entry["consumer"].decode())].append(request_ids[entry["message_id"]])
     return held
 
 

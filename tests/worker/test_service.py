@@ -1,6 +1,7 @@
 """The worker in-process against a real redis-server: requests in through the lane streams,
 events out through replay streams and channels, and every way a request can end."""
 
+import json
 import threading
 import time
 
@@ -10,7 +11,8 @@ import redis
 import structlog
 
 from producer import EventsLost, Producer
-from producer.protocol import FIELD, GROUP, LANES, DoneEvent, ErrorEvent, Request, TokenEvent, decode_event, encode
+from producer.protocol import (FIELD, GROUP, LANES, DoneEvent, ErrorEvent, Request, TokenEvent, decode_event, encode,
+                               ensure_group)
 
 from .conftest import (
     KEYS,
@@ -168,7 +170,7 @@ def test_every_kind_of_bad_entry_is_dead_lettered_and_the_worker_keeps_serving(m
 def test_a_request_delivered_too_often_is_dead_lettered_with_an_error_event(make_worker, client):
     entry_id = submit(client, Request(id="poison", prompt_ids=[5, 6], params=greedy(4)))
     stream = KEYS.requests("normal")
-    client.xgroup_create(stream, GROUP, id="0")
+    ensure_group(client, stream)
     client.xreadgroup(GROUP, "crashed", {stream: ">"})
     for _ in range(2):  # two more crashed owners: 3 deliveries so far, the reclaim makes 4
         client.xclaim(stream, GROUP, "crashed", 0, [entry_id])
@@ -222,7 +224,7 @@ def test_a_reclaimed_request_that_had_finished_is_only_acked(make_worker, client
     """The owner wrote the final event and died before its ack: nothing is generated again."""
     entry_id = submit(client, Request(id="done", prompt_ids=[5, 6], params=greedy(3)))
     stream = KEYS.requests("normal")
-    client.xgroup_create(stream, GROUP, id="0")
+    ensure_group(client, stream)
     client.xreadgroup(GROUP, "crashed", {stream: ">"})
     client.xclaim(stream, GROUP, "crashed", 0, [entry_id], idle=10**7, justid=True)
     client.xadd(KEYS.replay("done"), {FIELD: encode(ErrorEvent(seq=0, attempt=1, code="internal", message="x"))})
@@ -241,7 +243,7 @@ def test_drain_finishes_what_it_can_and_hands_the_rest_back(make_worker, client,
     assert replay(client, "short")[-1].finish_reason == "length"
     assert not is_finished(client, "long") and draining.flights == {}
     [pending] = client.xpending_range(KEYS.requests("normal"), GROUP, "-", "+", 10)
-    assert pending["consumer"] == b"w1" and pending["time_since_delivered"] > 10**9
+    assert pending["consumer"] == draining.consumer.encode() and pending["time_since_delivered"] > 10**9
 
     successor = make_worker("w2")  # reclaims after 60 s of idleness: only a hand-back is taken at once
     run_until([successor], lambda: backlog(client) == 0, timeout=20)
@@ -328,7 +330,7 @@ def test_a_turn_that_fails_costs_the_held_requests_not_the_worker(make_worker, c
     submit(client, Request(id="held", prompt_ids=[5, 6, 7], params=greedy(50)))
     worker.poll()
     assert "held" in worker.flights
-    monkeypatch.setattr("worker.service.RETRY_S", 0)
+    monkeypatch.setattr("worker.service.TURN_RETRY_S", 0)
     monkeypatch.setattr(worker.outbox, "flush", lambda flights: 1 / 0)
     worker.turn()  # does not raise
     assert worker.flights == {}  # dropped: the engine lets go of it at its next step
@@ -348,7 +350,7 @@ def test_a_redis_blip_costs_a_recompute_never_a_delivery(make_worker, client, mo
     for i, prompt in enumerate(prompts):
         submit(client, Request(id=f"b{i}", prompt_ids=prompt, params=greedy(40)))
     run_until([worker], lambda: all(len(replay(client, f"b{i}")) >= 3 for i in range(3)))
-    monkeypatch.setattr("worker.service.RETRY_S", 0.01)
+    monkeypatch.setattr("worker.service.TURN_RETRY_S", 0.01)
     flush = worker.outbox.flush
     failures = iter([True] * 3)
 
@@ -456,7 +458,7 @@ def test_a_step_longer_than_the_reclaim_threshold_keeps_its_claims_and_heartbeat
     idle.housekeeping()  # would reclaim an entry idle past 600 ms
     assert idle.flights == {} and client.exists(KEYS.worker("w1"))
     [entry] = client.xpending_range(KEYS.requests("normal"), GROUP, "-", "+", 10)
-    assert entry["consumer"] == b"w1" and entry["time_since_delivered"] < 600
+    assert entry["consumer"] == busy.consumer.encode() and entry["time_since_delivered"] < 600
     stepping.join()
     busy.engine.step = step
     run_until([busy], lambda: is_finished(client, "slow"))
@@ -467,18 +469,20 @@ def test_dead_consumers_are_deleted_and_old_dead_letters_trimmed(make_worker, cl
     stream = KEYS.requests("normal")
     worker = make_worker("w1", reclaim_idle_ms=600)
     client.xadd(stream, {FIELD: encode(Request(id="held", prompt_ids=[5]))})
-    client.xreadgroup(GROUP, "crashed-holding", {stream: ">"})  # dead, but holds an entry: kept
-    client.xgroup_createconsumer(stream, GROUP, "crashed-empty")  # dead, holds nothing: deleted
-    client.xgroup_createconsumer(stream, GROUP, "alive-empty")  # holds nothing, but beats: kept
-    client.set(KEYS.worker("alive-empty"), b"{}")
+    client.xreadgroup(GROUP, "crashed-holding.0", {stream: ">"})  # dead, but holds an entry: kept
+    client.xgroup_createconsumer(stream, GROUP, "crashed-empty.0")  # dead, holds nothing: deleted
+    client.xgroup_createconsumer(stream, GROUP, "alive-empty.0")  # holds nothing, but beats: kept
+    client.set(KEYS.worker("alive-empty"), json.dumps({"consumer": "alive-empty.0"}))
+    client.xgroup_createconsumer(stream, GROUP, "restarted.old")  # its worker beats as a newer consumer: deleted
+    client.set(KEYS.worker("restarted"), json.dumps({"consumer": "restarted.new"}))
     old = int(time.time() * 1000) - 3600_000
     for i in range(300):  # an hour old, then fresh ones
         client.xadd(KEYS.dead_letters, {"reason": "old"}, id=f"{old}-{i}")
     client.xadd(KEYS.dead_letters, {"reason": "new"})
     time.sleep(0.7)
 
-    assert worker.claims.sweep(dead_letter_ttl_s=60) == ["crashed-empty"]
+    assert sorted(worker.claims.sweep(dead_letter_ttl_s=60)) == ["crashed-empty.0", "restarted.old"]
     names = {consumer["name"] for consumer in client.xinfo_consumers(stream, GROUP)}
-    assert {b"crashed-holding", b"alive-empty"} <= names and b"crashed-empty" not in names
+    assert {b"crashed-holding.0", b"alive-empty.0"} <= names and not {b"crashed-empty.0", b"restarted.old"} & names
     reasons = [fields[b"reason"] for _, fields in client.xrange(KEYS.dead_letters)]
     assert b"new" in reasons and reasons.count(b"old") < 300  # trimmed (approximately: whole nodes)

@@ -231,7 +231,3 @@ class BlockPool:
             total=self.num_blocks, free=len(self.free), used=len(used),
             cached=len(self.evictable), pinned=sum(1 for block in used if block.pinned),
             tokens_stored=slots - empty_slots, slots_allocated=slots)
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -5,10 +5,11 @@ A directory is built under an flock, which the operating system drops when its h
 however it dies, in a temporary directory renamed into place once complete. So a directory
 that exists is complete; a build killed midway leaves only its temporary directory, which the
 next builder deletes; and no process waits on a dead one, nor longer than its `wait_s` on a
-live one. (torch's extension builder marks its build with a lock *file* instead: one killed
-midway left it behind, and every later load waited on it forever.) The lock is a plain fcntl
-call rather than the filelock package, whose Unix lock turns into a file-exists lock, with the
-same failure, on file systems without flock.
+live one. A directory that exists but does not work (its files deleted or damaged since) is
+built again once, by `rebuild`, under the same lock. (torch's extension builder marks its
+build with a lock *file* instead: one killed midway left it behind, and every later load
+waited on it forever.) The lock is a plain fcntl call rather than the filelock package, whose
+Unix lock turns into a file-exists lock, with the same failure, on file systems without flock.
 """
 
 from __future__ import annotations
@@ -72,19 +73,52 @@ def build_once(target: Path, build: Callable[[Path], None], *, what: str, wait_s
     `what` says what building is ("converting the model"), for `on_phase`."""
     if target.is_dir():
         return target
-    lock = target.with_name(f".{target.name}.lock")
-    with exclusive(lock, wait_s, on_wait=lambda pid: on_phase(f"waiting for another process (pid {pid}) {what}")):
-        if target.is_dir():  # the process we waited for built it
-            return target
-        prefix = f".tmp-{target.name}-"
-        for leftover in target.parent.glob(prefix + "*"):  # of builders that died: we hold the lock
-            shutil.rmtree(leftover, ignore_errors=True)
-        on_phase(what)
-        scratch = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-        scratch.chmod(0o755)  # mkdtemp makes it private; the build is for every user of the cache
-        try:
-            build(scratch)
-            scratch.rename(target)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    with exclusive(_lock_of(target), wait_s, on_wait=_waiting(what, on_phase)):
+        if not target.is_dir():  # else the process we waited for built it
+            _build(target, build, what, on_phase)
     return target
+
+
+def rebuild(target: Path, found: os.stat_result, build: Callable[[Path], None], *, what: str, wait_s: float,
+            on_phase: Phase = quiet) -> bool:
+    """Build `target` again, found unusable (its files deleted or damaged under the cache) when its
+    stat was `found`: under the lock, unless another process replaced it meanwhile, which then
+    is the build to use. -> whether this call built it."""
+    with exclusive(_lock_of(target), wait_s, on_wait=_waiting(what, on_phase)):
+        if target.is_dir() and not _same_directory(target.stat(), found):
+            return False
+        if target.is_dir():  # moved aside first: a rename is atomic, so no reader sees half a directory
+            target.rename(target.with_name(f"{_scratch_prefix(target)}discarded"))
+        _build(target, build, what, on_phase)
+    return True
+
+
+def _build(target: Path, build: Callable[[Path], None], what: str, on_phase: Phase) -> None:
+    """Under the target's lock: clear what dead builders left, build in scratch, rename into place."""
+    prefix = _scratch_prefix(target)
+    for leftover in target.parent.glob(prefix + "*"):  # of builders that died (we hold the lock)
+        shutil.rmtree(leftover, ignore_errors=True)
+    on_phase(what)
+    scratch = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    scratch.chmod(0o755)  # mkdtemp makes it private; the build is for every user of the cache
+    try:
+        build(scratch)
+        scratch.rename(target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _lock_of(target: Path) -> Path:
+    return target.with_name(f".{target.name}.lock")
+
+
+def _scratch_prefix(target: Path) -> str:
+    return f".tmp-{target.name}-"
+
+
+def _waiting(what: str, on_phase: Phase) -> Callable[[str], None]:
+    return lambda pid: on_phase(f"waiting for another process (pid {pid}) {what}")
+
+
+def _same_directory(now: os.stat_result, found: os.stat_result) -> bool:
+    return (now.st_ino, now.st_dev, now.st_mtime_ns) == (found.st_ino, found.st_dev, found.st_mtime_ns)

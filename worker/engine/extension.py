@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from worker.engine.disk_cache import Phase, build_once, cache_dir, quiet
+from worker.engine.disk_cache import Phase, build_once, cache_dir, quiet, rebuild
 
 log = logging.getLogger(__name__)
 BUILD_WAIT_S = float(os.environ.get("STREAMBATCH_BUILD_WAIT", 900))  # for another process's build
@@ -50,17 +50,29 @@ class Extension:
         return self.build_dir.is_dir()
 
     def load(self, on_phase: Phase = quiet, wait_s: float | None = None) -> ModuleType:
-        """The imported module, built first if missing. Raises what the build raised, or
-        disk_cache.LockTimeout when another process's build took longer than `wait_s`
+        """The imported module, built first if missing, and built again once if the build found
+        does not load (its library deleted or damaged). Raises what the build or the import
+        raised, or disk_cache.LockTimeout when another process's build took longer than `wait_s`
         (default BUILD_WAIT_S)."""
         target, built = self.build_dir, []
+        wait_s = BUILD_WAIT_S if wait_s is None else wait_s
+        what = f"building {self.name} ({len(self.sources)} C++ files)"
         started = time.monotonic()
-        build_once(target, lambda scratch: built.append(self._compile(scratch)),
-                   wait_s=BUILD_WAIT_S if wait_s is None else wait_s,
-                   what=f"building {self.name} ({len(self.sources)} C++ files)", on_phase=on_phase)
-        if built:
-            log.info("built %s in %.0f s: %s", self.name, time.monotonic() - started, target)
-            return built[0]
+        build_once(target, lambda scratch: built.append(self._compile(scratch)), wait_s=wait_s, what=what,
+                   on_phase=on_phase)
+        if not built:
+            found = target.stat()
+            try:
+                return self._import(target)
+            except ImportError as error:  # also what a missing or truncated library raises
+                log.warning("the build at %s does not load (%s): building it again", target, error)
+            if not rebuild(target, found, lambda scratch: built.append(self._compile(scratch)), wait_s=wait_s,
+                           what=what, on_phase=on_phase):
+                return self._import(target)  # another process built it again meanwhile
+        log.info("built %s in %.0f s: %s", self.name, time.monotonic() - started, target)
+        return built[0]
+
+    def _import(self, target: Path) -> ModuleType:
         spec = importlib.util.spec_from_file_location(self.name, target / f"{self.name}.so")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -249,7 +249,7 @@ class Scheduler:
             return 0  # an idle pool, or a request that waited too long, takes what there is
         share = cfg.watermark + (cfg.cooldown_watermark if self.num_steps < self.cooldown_until else 0)
         if seq.lane == "normal" and cfg.fast_lane_protection == "reserve":
-            share += cfg.fast_lane_share
+            share += cfg.fast_lane_reserve
         # the other lane's oldest aged request keeps the room for its first chunk, so memory
         # freed by finishing sequences piles up for it instead of going to newcomers
         aged = next((s for s in self.aged if s.lane != seq.lane), None)

@@ -22,11 +22,12 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     fast_prompt_tokens: int = FAST_PROMPT_TOKENS
     fast_max_tokens: int = FAST_MAX_TOKENS
     # How the fast lane avoids waiting behind a pool full of normal-lane work:
-    # "reserve" keeps fast_lane_share of the pool out of normal-lane admissions;
+    # "reserve" keeps fast_lane_reserve of the KV pool out of normal-lane admissions;
     # "preempt" lets a fast request that has waited fast_lane_max_wait_steps engine steps since
     # the step of its first refused admission evict the newest normal-lane sequences until its
     # first chunk fits. ops/bench_scheduler.py measures both.
     fast_lane_protection: FastLaneProtection = "preempt"
+    fast_lane_reserve: float = 0.3  # share of the KV pool, under "reserve"
     fast_lane_max_wait_steps: int = 4
     victim_policy: VictimPolicy = "cheapest"
     cooldown_after_steps: int = 3  # preemptions in this many consecutive steps start a cool-down
@@ -51,6 +52,8 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
             (0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}"),
             (0.0 <= self.fast_lane_share <= 0.5,
              f"fast_lane_share must be in [0, 0.5], got {self.fast_lane_share}"),
+            (0.0 <= self.fast_lane_reserve <= 0.5,
+             f"fast_lane_reserve must be in [0, 0.5], got {self.fast_lane_reserve}"),
             (self.fast_prompt_tokens >= 1 and self.fast_max_tokens >= 1,
              "fast_prompt_tokens and fast_max_tokens must be >= 1"),
             (self.fast_lane_max_wait_steps >= 0, "fast_lane_max_wait_steps must be >= 0"),
