@@ -12,7 +12,7 @@ TORCH_INDEX_URL ?=
 SMOLLM2_VERSION ?= 0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: setup prepare redis-server promtool test demo bench-scheduler clean
+.PHONY: setup prepare redis-server promtool test demo bench-scheduler compose-smoke clean
 
 # A command from a Debian package, installed with apt-get when missing (which needs root), its
 # output kept in a log that is shown only when the install fails. $(1): the command, $(2): the
@@ -51,8 +51,12 @@ promtool:
 # end), then the fault campaign alone: its workers' throughput is compared across minutes, which a
 # neighbour would skew.
 test: prepare redis-server promtool
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not campaign"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not campaign and not compose"
 	$(BIN)/python -m pytest -q -m campaign tests/worker
+
+# The deployment for real (ops/compose_smoke.py): root, podman and podman-compose, about 10 minutes.
+compose-smoke: $(STAMP)
+	$(BIN)/python -m pytest -q -m compose tests/ops/test_compose_smoke.py
 
 demo: prepare redis-server
 	$(BIN)/python -m ops.demo

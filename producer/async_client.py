@@ -23,7 +23,8 @@ class AsyncProducer(ProducerShell):
     """See ProducerShell for the API; every method returns an awaitable of its value."""
 
     def _connect(self, url: str) -> redis.asyncio.Redis:
-        return redis.asyncio.Redis.from_url(url, **connection_options(), max_connections=MAX_CONNECTIONS)
+        return redis.asyncio.Redis.from_url(url, **connection_options(password=self._password),
+                                            max_connections=MAX_CONNECTIONS)
 
     async def aclose(self) -> None:
         await self.redis.aclose()

@@ -28,14 +28,19 @@ from producer.client import Producer
 from producer.shell import DEFAULT_URL
 from producer.completion import Completion
 from producer.errors import Disconnected, ProducerError
-from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob, redacted
+from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob, read_password, redacted
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     errors = Console(stderr=True, highlight=False)
     try:
-        producer = Producer(args.redis_url, prefix=args.prefix)
+        password = read_password(args.redis_password_file) if args.redis_password_file else None
+    except (OSError, ValueError) as error:
+        errors.print(f"[red]error:[/] --redis-password-file: {escape(str(error))}")
+        return 1
+    try:
+        producer = Producer(args.redis_url, prefix=args.prefix, password=password)
     except ValueError as error:  # redis-py's word on a URL it cannot parse
         errors.print(f"[red]error:[/] bad --redis-url {escape(repr(redacted(args.redis_url)))}: {escape(str(error))}")
         return 1
@@ -73,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__.split("\n")[0])
     parser.add_argument("--redis-url", default=os.environ.get("STREAMBATCH_REDIS_URL", DEFAULT_URL), type=_utf8,
                         help="default: $STREAMBATCH_REDIS_URL or %(default)s")
+    parser.add_argument("--redis-password-file", default=os.environ.get("STREAMBATCH_REDIS_PASSWORD_FILE"),
+                        help="a file holding the Redis password, in place of one in the URL "
+                             "(default: $STREAMBATCH_REDIS_PASSWORD_FILE)")
     parser.add_argument("--prefix", default="sb", type=_utf8, help="key prefix shared with the workers")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 

@@ -22,7 +22,8 @@ class Producer(ProducerShell):
     """See ProducerShell for the API; every method returns its value."""
 
     def _connect(self, url: str) -> redis.Redis:
-        return redis.Redis.from_url(url, **connection_options(), max_connections=MAX_CONNECTIONS)
+        return redis.Redis.from_url(url, **connection_options(password=self._password),
+                                    max_connections=MAX_CONNECTIONS)
 
     def close(self) -> None:
         self.redis.close()

@@ -11,6 +11,7 @@ import re
 import socket
 import time
 import uuid
+from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -254,18 +255,28 @@ HEALTH_CHECK_S = 15  # a connection idle this long is PINGed before use (pub/sub
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}  # a silent peer is dropped in ~25 s
 
 
-def connection_options(blocking_ms: int = 0) -> dict:
+def connection_options(blocking_ms: int = 0, password: str | None = None) -> dict:
     """What every Redis connection of either side is opened with (redis-py's from_url keyword
     arguments), so that none waits for ever on a half-open TCP connection: explicit reply and
     connect timeouts (a connection for BLOCK reads of up to `blocking_ms` waits that much longer),
     TCP keepalive, health checks. No automatic retry: redis-py would resend a command whose reply
     was lost, and a resent XADD, INCR or fenced write happens twice. Each caller retries at the
     level where it knows what a repeat means (a worker resumes from the replay stream, a stream
-    re-reads it)."""
+    re-reads it). `password` (from `read_password`) takes the place of one in the URL."""
     keepalive = {getattr(socket, name): value for name, value in _KEEPALIVE.items() if hasattr(socket, name)}
     return {"socket_timeout": REPLY_TIMEOUT_S + blocking_ms / 1000, "socket_connect_timeout": CONNECT_TIMEOUT_S,
             "socket_keepalive": True, "socket_keepalive_options": keepalive,
-            "health_check_interval": HEALTH_CHECK_S, "retry": None}
+            "health_check_interval": HEALTH_CHECK_S, "retry": None} | ({"password": password} if password else {})
+
+
+def read_password(path: str) -> str:
+    """The Redis password kept in a file (a compose secret, /run/secrets/...), so that it is in
+    neither a URL, an environment variable nor a command line; one trailing newline dropped.
+    Raises OSError (naming the file) when it cannot be read, ValueError when it is empty."""
+    password = Path(path).read_text().removesuffix("\n").removesuffix("\r")
+    if not password:
+        raise ValueError(f"the Redis password file {path} is empty")
+    return password
 
 
 def redacted(url: str) -> str:

@@ -27,8 +27,10 @@ def as_is(value: Any) -> Any:
 
 class ProducerShell:
     def __init__(self, url: str = DEFAULT_URL, *, prefix: str = "sb", max_backlog: int = 10_000,
-                 claim_ttl: float = DEFAULT_CLAIM_TTL_S, poll_interval: float = 1.0) -> None:
-        """`max_backlog`: per lane, entries waiting or in flight before submit refuses.
+                 claim_ttl: float = DEFAULT_CLAIM_TTL_S, poll_interval: float = 1.0,
+                 password: str | None = None) -> None:
+        """`password` takes the place of one in the URL (protocol.read_password reads one from a file).
+        `max_backlog`: per lane, entries waiting or in flight before submit refuses.
         `claim_ttl`: seconds a submitted id stays taken while it waits for a worker (the
         longest a request may wait and still be found), and a cancel flag lives; once a worker
         finishes it, the id stays taken as long as its events stay readable (the worker's
@@ -36,6 +38,7 @@ class ProducerShell:
         re-reads the replay stream."""
         self.core = ProducerCore(Keys(prefix), max_backlog, int(claim_ttl), poll_interval)
         self.keys = self.core.keys
+        self._password = password
         self.redis = self._connect(url)
         # Each live stream holds a subscribed connection for as long as it lasts: in a pool of
         # their own, so that streams never take the connections commands need.

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -86,3 +87,30 @@ def test_no_entry_point_prints_the_redis_password(name, guarded_redis):
     output = "".join(lines)
     assert said in output, output[-2000:]
     assert SECRET not in output, output[-2000:]
+
+
+def test_a_password_kept_in_a_file_reaches_a_guarded_redis_from_the_worker_and_the_cli(guarded_redis, tmp_path):
+    """How compose hands the password over (a secret file): never in a URL, the environment or argv."""
+    password_file = tmp_path / "redis_password"
+    password_file.write_text("the-right-one\n")
+    environ = os.environ | {"STREAMBATCH_REDIS_PASSWORD_FILE": str(password_file), "COLUMNS": "200"}
+    worker = subprocess.Popen([sys.executable, "-m", "worker", "--model", "random:llama", "--redis-url", guarded_redis,
+                               "--name", "guarded", "--heartbeat-interval", "0.3"], cwd=ROOT, env=environ,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            stats = subprocess.run([sys.executable, "-m", "producer", "--redis-url", guarded_redis, "stats"], cwd=ROOT,
+                                   env=environ, capture_output=True, text=True, timeout=30)
+            assert stats.returncode == 0, stats.stderr
+            if "guarded" in stats.stdout and "ready" in stats.stdout:
+                break
+            assert worker.poll() is None and time.monotonic() < deadline, stats.stdout
+            time.sleep(0.5)
+    finally:
+        worker.terminate()
+        output, _ = worker.communicate(timeout=30)
+    assert worker.returncode == 0, output[-2000:]
+    wrong = subprocess.run([sys.executable, "-m", "producer", "--redis-url", guarded_redis, "stats"], cwd=ROOT,
+                           env=os.environ | {"COLUMNS": "200"}, capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 1 and "refused" in wrong.stderr  # no password, no entry

@@ -16,7 +16,9 @@
 - refresh (every heartbeat): one script per lane stream XCLAIMs, with JUSTID (idle time reset,
   delivery count untouched), each of our in-flight entries that the group still counts as
   ours; an entry another worker took, or whose attempt key moved on, is reported lost instead,
-  and never taken back from its new owner.
+  and never taken back from its new owner. One pending under nobody (its stream or group was
+  deleted and made again) is kept: no one else holds it, and should it be delivered again, the
+  new holder's claim moves the attempt key on, which the next refresh (or write) finds.
 - take back: entries the group counts as ours that we no longer hold (we dropped them when a
   turn failed, a Redis blip say) are owned again at once, with XPENDING + XCLAIM ... JUSTID,
   which leaves their delivery counts alone: a blip costs a recompute, never a delivery. Our
@@ -69,7 +71,7 @@ return {attempt, redis.call('XRANGE', KEYS[2], '-', '+'), redis.call('EXISTS', K
 
 KEEP = """
 -- KEYS: a lane stream. ARGV: group, consumer, idle ms ('' to reset it), entry id...
--- XCLAIM ... JUSTID each entry still pending under this consumer; -> the ids that are not.
+-- XCLAIM ... JUSTID each entry still pending under this consumer; -> the ids pending under another.
 local lost = {}
 for i = 4, #ARGV do
   local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
@@ -79,7 +81,7 @@ for i = 4, #ARGV do
     else
       redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
     end
-  else
+  elseif pending[1] then
     lost[#lost + 1] = ARGV[i]
   end
 end

@@ -36,6 +36,7 @@ DEFAULT_STALL_TIMEOUT_S = 300.0
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     redis_url: str = "redis://localhost:6379/0"
+    redis_password_file: str | None = None
     name: str = msgspec.field(default_factory=default_name)
     prefix: str = "sb"
     metrics_port: int | None = None  # 0 picks a free port
@@ -87,6 +88,8 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 WORKER_FLAGS = {
     "redis_url": "Redis URL",
+    "redis_password_file": "a file holding the Redis password (a compose secret: /run/secrets/redis_password), "
+                           "in place of one in the URL",
     "name": "this worker's name, unique among live workers: its heartbeat key, and its consumer in the group "
             "with a suffix new at every start (default: host-pid)",
     "prefix": "key prefix shared with the producers",

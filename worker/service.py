@@ -32,7 +32,7 @@ import redis
 import structlog
 
 from producer.protocol import (LANES, ErrorEvent, Keys, Request, connection_options, decode_request, encode,
-                               is_missing_group)
+                               is_missing_group, read_password)
 from worker.cancels import Cancels
 from worker.claims import Claim, Claims
 from worker.config import WorkerConfig
@@ -63,7 +63,8 @@ class Worker:
         self.config = config
         self.keys = Keys(config.prefix)
         self.consumer = new_consumer(config.name)
-        self.client = redis.Redis.from_url(config.redis_url, **connection_options())
+        password = read_password(config.redis_password_file) if config.redis_password_file else None
+        self.client = redis.Redis.from_url(config.redis_url, **connection_options(password=password))
         self.health = Health(stall_timeout=config.stall_timeout)
         self.metrics = Metrics(self.health)
         self.metrics_server = self.metrics.serve(config.metrics_port) if config.metrics_port is not None else None
@@ -77,7 +78,7 @@ class Worker:
             raise ValueError(f"replay_maxlen ({config.replay_maxlen}) must exceed the model length "
                              f"({self.engine.max_model_len}): every event of a request must stay replayable")
         self.wait_for_redis()
-        blocking = redis.Redis.from_url(config.redis_url, **connection_options(blocking_ms=config.block_ms))
+        blocking = redis.Redis.from_url(config.redis_url, **connection_options(config.block_ms, password))
         self.intake = Intake(self.client, blocking, self.keys, self.consumer, config.replay_ttl)
         self.claims = Claims(self.client, self.keys, self.consumer, config.replay_ttl, config.reclaim_idle_ms)
         self.outbox = Outbox(self.client, self.keys, config.replay_maxlen, config.replay_ttl)
@@ -144,13 +145,19 @@ class Worker:
         except Exception:
             self.log.exception("worker.turn_failed", failed_turns=self.failed_turns + 1)
             self.drop_all("worker error")
-        self.health.last_turn = time.monotonic()
-        if failed:
-            self.failed_turns += 1
-            time.sleep(retry_wait_s(self.failed_turns))
-        else:
+        now = self.health.last_turn = time.monotonic()
+        if not failed:
             self.failed_turns = 0
             self.health.redis_error = None
+        elif self.drain_until is not None and now >= self.drain_until:
+            # SIGTERM while turns fail (Redis gone): nothing can be handed back, and what this worker
+            # held stays pending for a reclaim; the drain ends on time all the same
+            self.log.warning("worker.drain_ended_unreachable", failed_turns=self.failed_turns + 1)
+            self.done = True
+        else:
+            self.failed_turns += 1
+            wait = retry_wait_s(self.failed_turns)
+            time.sleep(wait if self.drain_until is None else min(wait, self.drain_until - now))
 
     def recreate_groups(self, error: redis.RedisError) -> bool:
         """A lane stream or its group was deleted under us: make it again and go on with what we hold

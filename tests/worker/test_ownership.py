@@ -200,6 +200,7 @@ def test_a_lane_stream_or_its_group_deleted_under_a_worker_is_made_again_and_ser
         assert time.monotonic() < deadline, "the worker stopped serving"
         worker.turn()  # as Worker.run does
         assert worker.failed_turns == 0 and worker.health.redis_error is None
+        worker.next_housekeeping = 0.0  # every turn: the refresh after the group is made again too
     for request_id, prompt, params in (("running", [5, 6, 7], greedy(30)), ("after", [8, 9], greedy(5))):
         events = replay(client, request_id)
         assert_numbered(events)
@@ -238,3 +239,25 @@ def test_close_lets_go_of_every_redis_connection(make_worker, client):
     while len(client.client_list()) > before:
         assert time.monotonic() < deadline, [c["cmd"] for c in client.client_list()]
         time.sleep(0.05)
+
+
+def test_sigterm_while_redis_is_unreachable_ends_the_worker_within_its_drain_timeout(make_worker, client,
+                                                                                      monkeypatch):
+    """Every turn fails before the drain's end could be seen: the worker used to wait for Redis until
+    the container's stop timeout killed it (compose down stops Redis too)."""
+    worker = make_worker(drain_timeout=0.5)
+    submit(client, Request(id="held", prompt_ids=[5, 6, 7], params=greedy(50)))
+    worker.poll()
+
+    def unreachable():
+        raise redis.ConnectionError("Error -2 connecting to redis:6379. Name or service not known.")
+
+    monkeypatch.setattr(worker, "housekeeping", unreachable)
+    worker.next_housekeeping = 0.0  # every turn starts with it, and fails
+    worker.stop()
+    started = time.monotonic()
+    while not worker.done:
+        assert time.monotonic() - started < 3, "still draining"
+        worker.turn()
+    assert 0.5 <= time.monotonic() - started < 1.5 and worker.flights == {}
+    assert client.xpending(NORMAL, GROUP)["pending"] == 1, "left pending, for a reclaim"

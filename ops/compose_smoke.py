@@ -1,0 +1,485 @@
+"""python -m ops.compose_smoke: compose.yaml's CPU stack built and run for real, with rootful podman
+and podman-compose, end to end. Each step is timed and checked; the first failure ends the run.
+
+    sudo .venv/bin/python -m ops.compose_smoke [--workers 2] [--json out.json] [--keep] [--skip-gpu-branch]
+
+  1. stand-in images for what cannot be pulled here (ops/compose/standins.Containerfile): a Debian
+     bookworm base from debootstrap (made once), Python 3.11, Redis and Prometheus from Debian;
+  2. a package index on 127.0.0.1 with the pinned torch (what `pip download` finds on this machine);
+  3. the worker image, from our Dockerfile unchanged, on the Python stand-in: `podman-compose build`;
+  4. `podman-compose up` of the CPU profile with --workers workers and Prometheus: until Redis and
+     every worker pass their healthchecks (podman here has no systemd to schedule them, so the
+     smoke runs them: `podman healthcheck run`);
+  5. a request from the host, through the producer CLI on the published Redis port: its tokens;
+  6. a long request whose worker is killed with `podman kill -s KILL` mid-generation: another
+     finishes it, every seq exactly once, its tokens those of an undisturbed run;
+  7. Prometheus's targets API: every worker up;
+  8. the hardening, on the running containers (`podman inspect`, `podman exec`): users, read-only
+     roots, no capabilities, no-new-privileges, the password in no environment, command line or
+     process argument list, Redis refusing a client without it;
+  9. `podman-compose down`, then `up`: step 5's events are still in Redis (AOF on the volume);
+ 10. the GPU profiles rendered by `podman-compose config`, and the Dockerfile's branch for a base
+     that brings its own torch (the CUDA one) built on a stand-in with torch inside;
+then `down -v`, unless --keep. The project is `streambatch-smoke`: its own containers, network
+and volumes. README's Deploy section says what a user with Docker runs instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import http.server
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+import yaml
+from rich.console import Console
+
+from ops.demo import DemoError, free_port
+from ops.tool import run_tool
+from producer import Producer
+from producer.protocol import FIELD, GROUP, DoneEvent, Keys, SamplingParams, TokenEvent, decode_event
+from worker.heartbeat import worker_of
+from worker.intake import usable_id
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "ops" / "compose"
+PROJECT = "streambatch-smoke"
+STANDIN = "localhost/streambatch-standin"
+DEBIAN = f"{STANDIN}/debian:bookworm"
+WORKER_USER = "10001:10001"
+INDEX_PORT = 45120  # the package index's: a build argument, so a port new each run would rebuild the image
+KEYS = Keys()
+
+
+class SmokeError(DemoError):
+    """A step that did not hold (run_tool prints it as one line)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.compose_smoke", description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="CPU worker replicas (--scale)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--keep", action="store_true", help="leave the stack running (down -v it yourself)")
+    parser.add_argument("--skip-gpu-branch", action="store_true",
+                        help="do not build the Dockerfile's branch for a base with its own torch (minutes)")
+    args = parser.parse_args(argv)
+    console = Console()
+    return run_tool("compose smoke", lambda: Smoke(console, args).run(), console)
+
+
+class Smoke:
+    def __init__(self, console: Console, args: argparse.Namespace) -> None:
+        self.console, self.args = console, args
+        self.figures: dict[str, object] = {}
+        self.scratch = Path(tempfile.mkdtemp(prefix="streambatch-smoke-"))
+        self.password = secrets.token_urlsafe(24)
+        self.password_file = self.scratch / "secrets" / "redis_password"
+        self.redis_port, self.prometheus_port = free_port(), free_port()
+        self.index_port = port_or_free(INDEX_PORT)  # the same one each run, or the build's cache misses
+        podman_compose = shutil.which("podman-compose", path=str(Path(sys.executable).parent))
+        self.podman_compose = podman_compose or shutil.which("podman-compose")
+        self.environ = os.environ | {
+            "CONTAINERS_CONF": str(HERE / "containers.conf"),
+            "BUILDAH_FORMAT": "docker",  # keeps the image's HEALTHCHECK (the OCI format has none)
+            "REDIS_PASSWORD_FILE": str(self.password_file),
+            "SMOKE_REDIS_PORT": str(self.redis_port),
+            "PROMETHEUS_PORT": str(self.prometheus_port),
+            "COMPOSE_PROFILES": "",
+        }
+        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.run_id = secrets.token_hex(3)  # in the request ids: this run's own
+
+    # --- the run -------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.preflight()
+            self.teardown()  # what an interrupted run left
+            self.stack()
+        finally:
+            if not self.args.keep:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+        self.console.print_json(data=self.figures)
+        if self.args.json is not None:
+            self.args.json.write_text(json.dumps(self.figures, indent=2))
+
+    def stack(self) -> None:
+        with self.package_index() as index_url:
+            self.environ["SMOKE_TORCH_INDEX_URL"] = index_url
+            try:
+                with self.step("stand-in images"):
+                    self.standins(index_url)
+                with self.step("worker image build", "build_s"):
+                    self.compose("--podman-build-args=--network=host", "build", "worker-cpu")
+                self.up("up, until every healthcheck passes", "healthy_s")
+                with self.step("a request from the host's producer CLI"):
+                    self.request_from_the_host()
+                with self.step("kill -9 of the worker mid-generation"):
+                    victim = self.kill_mid_generation()
+                with self.step("the killed worker started again, healthy"):
+                    self.podman("start", victim)
+                    self.healthy([victim])
+                with self.step("a worker that crashes is restarted by its restart policy"):
+                    self.crash_restarts()
+                with self.step("Prometheus scrapes every worker"):
+                    self.prometheus_targets()
+                with self.step("hardening of the running containers"):
+                    self.hardening()
+                with self.step("down, then up: Redis keeps its data"):
+                    self.compose("down")
+                    self.up("up again, until every healthcheck passes", "healthy_again_s")
+                    self.data_kept()
+                with self.step("GPU profiles render"):
+                    self.gpu_profiles()
+                if not self.args.skip_gpu_branch:
+                    with self.step("the Dockerfile's branch for a base with its own torch", "gpu_branch_build_s"):
+                        self.gpu_branch()
+            finally:
+                if self.args.keep:
+                    self.console.print(f"left running; its Redis password is in {self.password_file}: "
+                                       f"`podman-compose -p {PROJECT} down -v` when done")
+                else:
+                    self.teardown()
+
+    def teardown(self) -> None:
+        """`down -v`, and whatever podman-compose 1.6's down leaves of the project (a container a
+        restart policy started again meanwhile, volumes, the pod, the network)."""
+        self.compose("down", "-v", check=False)
+        project = f"label=io.podman.compose.project={PROJECT}"
+        for kind in ("container", "volume"):
+            left = self.podman(kind, "ls", "-q", "--filter", project, *(["-a"] if kind == "container" else []),
+                               check=False).stdout.split()
+            if left:
+                self.podman(kind, "rm", "-f", *left, check=False)
+        self.podman("pod", "rm", "-f", "--ignore", f"pod_{PROJECT}", check=False)
+        self.podman("network", "rm", "-f", f"{PROJECT}_default", check=False)
+
+    def preflight(self) -> None:
+        missing = [name for name, found in (
+            ("podman", shutil.which("podman")), ("podman-compose", self.podman_compose),
+            ("catatonit (compose's `init: true`)", Path("/usr/libexec/podman/catatonit").exists()),
+            ("debootstrap", shutil.which("debootstrap"))) if not found]
+        if missing:
+            raise SmokeError(f"{', '.join(missing)} not found: apt-get install podman runc catatonit debootstrap "
+                             "golang-github-containernetworking-plugin-dnsname; pip install -e '.[dev]'")
+        if os.geteuid() != 0:
+            raise SmokeError("run it as root: the stack needs rootful podman (networks with DNS, published ports)")
+        self.password_file.parent.mkdir(mode=0o700)
+        self.password_file.write_text(self.password + "\n")
+        self.password_file.chmod(0o644)  # read by the containers' own users (redis, 10001)
+
+    @contextlib.contextmanager
+    def step(self, what: str, figure: str | None = None) -> Iterator[None]:
+        started = time.monotonic()
+        with self.console.status(what):
+            yield
+        took = time.monotonic() - started
+        if figure is not None:
+            self.figures[figure] = round(took, 1)
+        self.console.print(f"[green]✓[/] {what} ({took:.1f} s)")
+
+    # --- images ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def package_index(self) -> Iterator[str]:
+        """A PEP 503 index of the pinned torch and what it needs, served on 127.0.0.1: the build's
+        TORCH_INDEX_URL (download.pytorch.org is out of reach here)."""
+        wheels = self.scratch / "wheels"
+        self.quiet([sys.executable, "-m", "pip", "download", "--quiet", f"torch=={torch_version()}", "--dest",
+                    str(wheels)])
+        simple = self.scratch / "index" / "simple"
+        for wheel in wheels.iterdir():
+            project = simple / re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+            project.mkdir(parents=True, exist_ok=True)
+            shutil.move(wheel, project / wheel.name)
+        handler = functools.partial(QuietFiles, directory=str(simple.parent))
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", self.index_port), handler)
+        threading.Thread(target=server.serve_forever, name="package-index", daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.server_port}/simple/"
+        finally:
+            server.shutdown()
+            server.server_close()
+
+    def standins(self, index_url: str) -> None:
+        if self.podman("image", "exists", DEBIAN, check=False).returncode != 0:
+            rootfs = self.scratch / "rootfs"
+            self.quiet(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), "http://deb.debian.org/debian"])
+            tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+            self.quiet(["podman", "import", "-", DEBIAN], stdin=tar.stdout)
+            tar.wait()
+        context = self.scratch / "standins"
+        context.mkdir()
+        shutil.copy(HERE / "standins.Containerfile", context / "Containerfile")
+        shutil.copy(ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt",
+                    context / "machine-ca-certificates.crt")
+        targets = ["python", "redis", "prometheus"] + ([] if self.args.skip_gpu_branch else ["python-with-torch"])
+        for target in targets:
+            self.quiet(["podman", "build", "--network", "host", "--target", target, "--build-arg",
+                        f"TORCH_INDEX_URL={index_url}", "--build-arg", f"TORCH_VERSION={torch_version()}",
+                        "-t", f"{STANDIN}/{target}", str(context)])
+
+    def gpu_branch(self) -> None:
+        """The CUDA base (pytorch/pytorch) brings its torch, and the Dockerfile then installs none:
+        that branch, on a stand-in base with torch inside, up to a worker that loads its model."""
+        image = "localhost/streambatch-worker:torch-in-base"
+        output = self.quiet(["podman", "build", "--network", "host", "--build-arg",
+                             f"BASE_IMAGE={STANDIN}/python-with-torch", "-t", image, str(ROOT)])
+        steps = [line for line in output.splitlines() if line.startswith("STEP ")]
+        torch_step = next(index for index, line in enumerate(steps) if "import torch" in line)
+        installed = output.split(steps[torch_step])[1].split("STEP ")[0]
+        if "Successfully installed" in installed:
+            raise SmokeError("the Dockerfile installed torch on a base that has it")
+        loaded = self.podman("run", "--rm", "--entrypoint", "python", image, "-c",
+                             "from worker.engine.models import load_model; load_model('smollm2-135m'); print('loaded')")
+        if "loaded" not in loaded.stdout:
+            raise SmokeError(f"the image on a torch base does not load its model: {loaded.stdout[-500:]}")
+        self.podman("rmi", image, check=False)
+
+    # --- the stack ---------------------------------------------------------------------
+    def up(self, what: str, figure: str) -> None:
+        with self.step(what, figure):
+            self.compose("up", "-d", "--scale", f"worker-cpu={self.args.workers}")
+            self.healthy([name for name in self.containers() if self.inspect(name)["Config"].get("Healthcheck")])
+        workers = self.workers()
+        if len(workers) != self.args.workers:
+            raise SmokeError(f"{len(workers)} worker containers, not {self.args.workers}")
+
+    def healthy(self, names: list[str], timeout: float = 600) -> None:
+        """Until each container's healthcheck passes (run here: no systemd schedules them)."""
+        deadline = time.monotonic() + timeout
+        while not all(self.podman("healthcheck", "run", name, check=False).returncode == 0 for name in names):
+            if time.monotonic() > deadline:
+                raise SmokeError(f"not healthy after {timeout:.0f} s: {self.podman('ps', '-a').stdout}")
+            time.sleep(2)
+
+    def crash_restarts(self) -> None:
+        """`podman kill` is an operator's stop, which no restart policy undoes; a worker process
+        that dies (the OOM killer, a crash, its own exit on a stalled loop) is started again."""
+        name = self.workers()[0]
+        init = self.inspect(name)["State"]["Pid"]
+        worker = next(int(pid) for pid in Path(f"/proc/{init}/task/{init}/children").read_text().split())
+        os.kill(worker, 9)
+        wait_until(lambda: self.inspect(name)["RestartCount"] >= 1 and self.inspect(name)["State"]["Running"], 60,
+                   f"{name} was not restarted after its process died")
+        self.healthy([name])
+        self.figures["restarted_after_crash"] = name
+
+    def request_from_the_host(self) -> None:
+        out = subprocess.run(
+            [sys.executable, "-m", "producer", "--redis-url", self.redis_url, "--redis-password-file",
+             str(self.password_file), "submit", "Name three colours.", "--chat", "--stream", "--max-tokens", "24",
+             "--temperature", "0", "--id", f"smoke-hello-{self.run_id}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if out.returncode != 0 or not out.stdout.strip():
+            raise SmokeError(f"the producer CLI got no tokens (status {out.returncode}): {out.stderr[-1000:]}")
+        self.figures["request_text"] = out.stdout.strip()
+        self.console.print(f"  tokens: {out.stdout.strip()!r}")
+
+    def kill_mid_generation(self) -> str:
+        """-> the container killed."""
+        params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+        messages = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+        with Producer(self.redis_url, password=self.password) as producer:
+            events: list = []
+            handle = producer.submit(messages=messages, params=params, request_id=f"smoke-killed-{self.run_id}")
+            streaming = threading.Thread(target=lambda: events.extend(handle.stream(timeout=300)), daemon=True)
+            streaming.start()
+            wait_until(lambda: sum(isinstance(event, TokenEvent) for event in events) >= 3, 120,
+                       "the long request did not start")
+            victim = self.holder(handle.id)
+            killed_at = time.monotonic()
+            self.podman("kill", "-s", "KILL", victim)
+            streaming.join(300)
+            if streaming.is_alive() or not events or not isinstance(events[-1], DoneEvent):
+                raise SmokeError(f"the killed worker's request did not finish: {events[-1:]}")
+            finished_in = time.monotonic() - killed_at
+            undisturbed = producer.submit(messages=messages, params=params,
+                                          request_id=f"smoke-undisturbed-{self.run_id}").result(timeout=300)
+        seqs = [event.seq for event in events]
+        attempts = sorted({event.attempt for event in events})
+        tokens = [token for event in events if isinstance(event, TokenEvent) for token in event.ids]
+        if seqs != list(range(len(events))) or attempts != [1, 2]:
+            raise SmokeError(f"seqs {seqs[:10]}... attempts {attempts}: not each once, or not resumed")
+        if tokens != undisturbed.token_ids:
+            raise SmokeError("the resumed request's tokens differ from an undisturbed run's")
+        self.figures["kill"] = {"container": victim, "events": len(events), "tokens": len(tokens),
+                                "attempts": attempts, "finished_after_kill_s": round(finished_in, 1),
+                                "same_tokens_as_undisturbed": True}
+        self.console.print(f"  killed {victim}; {len(events)} events seq 0..{len(events) - 1} once each, attempts "
+                           f"{attempts}, finished {finished_in:.1f} s after the kill, tokens as an undisturbed run")
+        return victim
+
+    def holder(self, request_id: str) -> str:
+        """The container whose worker holds the request's entry."""
+        client = self.redis()
+        for lane in ("fast", "normal"):
+            stream = KEYS.requests(lane)
+            entries = {entry_id: fields for entry_id, fields in client.xrange(stream)}
+            for pending in client.xpending_range(stream, GROUP, "-", "+", 100):
+                fields = entries.get(pending["message_id"])
+                if fields and usable_id(fields[FIELD]) == request_id:
+                    beat = json.loads(client.get(KEYS.worker(worker_of(pending["consumer"].decode()))))
+                    return next(name for name in self.workers() if self.inspect(name)["Config"]["Hostname"]
+                                == beat["host"])
+        raise SmokeError(f"no worker holds {request_id}")
+
+    def prometheus_targets(self) -> None:
+        def targets() -> list[dict]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.prometheus_port}/api/v1/targets", timeout=5) as reply:
+                return [target for target in json.load(reply)["data"]["activeTargets"]
+                        if target["labels"]["job"] == "streambatch-worker"]
+
+        def up() -> list[dict]:
+            return [target for target in targets() if target["health"] == "up"]
+
+        try:
+            wait_until(lambda: len(up()) == self.args.workers, 120, "")
+        except SmokeError:
+            raise SmokeError(f"Prometheus does not see {self.args.workers} workers up: {targets()}") from None
+        self.figures["prometheus_targets_up"] = sorted(target["labels"]["instance"] for target in up())
+        self.console.print(f"  targets up: {self.figures['prometheus_targets_up']}")
+
+    def hardening(self) -> None:
+        found = {}
+        for name in self.containers():
+            container = self.inspect(name)
+            host, config = container["HostConfig"], container["Config"]
+            service = config["Labels"]["com.docker.compose.service"]
+            arguments = self.podman("top", name, "args").stdout
+            # every process's effective and bounding capability sets, as the kernel has them
+            capabilities = set(self.podman("exec", name, "sh", "-c",
+                                           r"grep -h '^Cap\(Eff\|Bnd\)' /proc/[0-9]*/status").stdout.split()[1::2])
+            problems = [why for why, bad in (
+                ("the password is in its configuration (environment, command, labels)",
+                 self.password in json.dumps(container)),
+                ("the password is in a process's arguments", self.password in arguments),
+                (f"capabilities left: {capabilities}", capabilities != {"0000000000000000"}),
+                ("no no-new-privileges",
+                 not any("no-new-privileges" in option for option in host.get("SecurityOpt") or [])),
+                ("root filesystem writable", not host["ReadonlyRootfs"]),
+            ) if bad]
+            user = self.podman("exec", name, "id", "-u").stdout.strip()
+            if service == "worker-cpu" and (config["User"] != WORKER_USER or user != "10001"):
+                problems.append(f"runs as {config['User']!r} (uid {user}), not {WORKER_USER}")
+            if user == "0":
+                problems.append("runs as root")
+            if self.podman("exec", name, "sh", "-c", "touch /written-here", check=False).returncode == 0:
+                problems.append("could write to its root filesystem")
+            if problems:
+                raise SmokeError(f"{name}: {'; '.join(problems)}")
+            found[name] = {"service": service, "uid": user, "read_only": True, "capabilities": []}
+        try:
+            redis.Redis.from_url(self.redis_url).ping()
+        except redis.AuthenticationError:
+            pass
+        except redis.ResponseError as error:
+            if "NOAUTH" not in str(error):
+                raise
+        else:
+            raise SmokeError("Redis answered a client without its password")
+        self.figures["hardening"] = found
+        self.console.print(f"  {len(found)} containers: no capabilities, no-new-privileges, read-only, not root, "
+                           "no password in inspect or argv; Redis refuses a client without the password")
+
+    def data_kept(self) -> None:
+        replay = self.redis().xrange(KEYS.replay(f"smoke-hello-{self.run_id}"))
+        events = [decode_event(fields[FIELD]) for _, fields in replay]
+        if not events or not isinstance(events[-1], DoneEvent):
+            raise SmokeError("step 5's request is gone from Redis after down and up")
+        self.figures["events_kept_across_down_up"] = len(events)
+
+    def gpu_profiles(self) -> None:
+        rendered = yaml.safe_load(self.call([self.podman_compose, "-f", str(ROOT / "compose.yaml"), "--profile", "gpu",
+                                            "--profile", "multi-gpu", "config"]).stdout)["services"]
+        devices = {name: service["deploy"]["resources"]["reservations"]["devices"]
+                   for name, service in rendered.items() if name.startswith("worker") and name != "worker-cpu"}
+        ids = [device.get("device_ids") for name, listed in devices.items() if name != "worker" for device in listed]
+        if devices.get("worker") != [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}] or \
+                sorted(map(tuple, ids)) != [("0",), ("1",)]:
+            raise SmokeError(f"the GPU profiles render other devices: {devices}")
+        self.figures["gpu_devices"] = devices
+
+    # --- podman ------------------------------------------------------------------------
+    def compose(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self.call([self.podman_compose, "-p", PROJECT, "-f", str(ROOT / "compose.yaml"), "-f",
+                         str(HERE / "smoke.override.yaml"), "--profile", "cpu", *args], check=check)
+
+    def podman(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self.call(["podman", *args], check=check)
+
+    def containers(self) -> list[str]:
+        return self.podman("ps", "--filter", f"label=io.podman.compose.project={PROJECT}",
+                           "--format", "{{.Names}}").stdout.split()
+
+    def workers(self) -> list[str]:
+        return [name for name in self.containers()
+                if self.inspect(name)["Config"]["Labels"]["com.docker.compose.service"] == "worker-cpu"]
+
+    def inspect(self, name: str) -> dict:
+        return json.loads(self.podman("inspect", name).stdout)[0]
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url, password=self.password)
+
+    def call(self, command: list[str], check: bool = True, **options) -> subprocess.CompletedProcess:
+        done = subprocess.run(command, cwd=ROOT, env=self.environ, capture_output=True, text=True, **options)
+        if check and done.returncode != 0:
+            raise SmokeError(f"`{' '.join(command)}` exited with status {done.returncode}: "
+                             f"{(done.stdout + done.stderr)[-2000:]}")
+        return done
+
+    def quiet(self, command: list[str], **options) -> str:
+        """Run a long command, its output kept for the error (and returned)."""
+        return self.call(command, **options).stdout
+
+
+class QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """No line per request."""
+
+
+def port_or_free(port: int) -> int:
+    """`port` if nothing listens on it (127.0.0.1), else a free one."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return free_port()
+    return port
+
+
+def torch_version() -> str:
+    """The torch the Dockerfile pins."""
+    return re.search(r"^ARG TORCH_VERSION=(\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE).group(1)
+
+
+def wait_until(condition, timeout: float, message: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except (OSError, redis.RedisError, ValueError):
+            pass  # not up yet
+        if time.monotonic() > deadline:
+            raise SmokeError(message)
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
