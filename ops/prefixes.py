@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
 import shlex
 import sys
@@ -36,7 +37,9 @@ from transformers import AutoTokenizer
 
 from ops.load.trace import read_jsonl
 from ops.tool import run_tool
-from producer.protocol import FIELD, LANES, Keys, Message, SamplingParams, connection_options, decode_request
+from producer.protocol import (DEFAULT_TENANT, FIELD, LANES, Keys, Message, SamplingParams, connection_options,
+                               decode_request)
+from producer.shell import TENANT_ENV
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.inputs import PromptError, encode_prompt
@@ -346,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--redis-url", help="read the newest --count entries of each lane stream")
     source.add_argument("--eviction-check", action="store_true", help="pinned vs not pinned under pressure, offline")
     parser.add_argument("--prefix", default="sb", help="key prefix shared with the workers")
+    parser.add_argument("--tenant", default=os.environ.get(TENANT_ENV) or DEFAULT_TENANT,
+                        help=f"whose lane streams to read (default: ${TENANT_ENV}, else {DEFAULT_TENANT})")
     parser.add_argument("--count", type=int, default=1000, help="entries per lane stream (default %(default)s)")
     parser.add_argument("--tokenizer", help="tokenizer directory for text and chat prompts (default: the bundled "
                                             "SmolLM2's); it must be the workers' model's")
@@ -375,7 +380,7 @@ def report(args, console: Console) -> None:
         records = read_jsonl(args.jsonl, PromptRecord)
     else:
         client = redis.Redis.from_url(args.redis_url, **connection_options())
-        records = read_streams(client, Keys(args.prefix), args.count)
+        records = read_streams(client, Keys(args.prefix, args.tenant), args.count)
     tokenizer = None
     if any(record.prompt_ids is None for record in records):
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or smollm2_cache())

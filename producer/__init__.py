@@ -6,8 +6,8 @@ Light on purpose: msgspec and redis, no torch. The wire contract is producer.pro
 import importlib
 
 from producer.completion import Completion
-from producer.errors import (Disconnected, EventsLost, InvalidRequest, ProducerError, ProtocolViolation, QueueFull,
-                             UnknownRequest)
+from producer.errors import (Disconnected, EventsLost, InvalidRequest, NotPermitted, ProducerError, ProtocolViolation,
+                             QueueFull, UnknownRequest)
 from producer.protocol import DoneEvent, ErrorEvent, Event, Message, Request, SamplingParams, TokenEvent, pick_lane
 from producer.stats import LaneStats, QueueStats, WorkerInfo
 
@@ -24,6 +24,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "AsyncProducer", "Completion", "Disconnected", "DoneEvent", "ErrorEvent", "Event", "EventsLost", "Handle",
-    "InvalidRequest", "LaneStats", "Message", "Producer", "ProducerError", "ProtocolViolation", "QueueFull",
+    "InvalidRequest", "LaneStats", "Message", "NotPermitted", "Producer", "ProducerError", "ProtocolViolation", "QueueFull",
     "QueueStats", "Request", "SamplingParams", "TokenEvent", "UnknownRequest", "WorkerInfo", "pick_lane",
 ]

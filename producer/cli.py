@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import redis
@@ -24,15 +26,19 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from producer.acl import tenant_user
 from producer.client import Producer
-from producer.shell import DEFAULT_URL
 from producer.completion import Completion
 from producer.errors import Disconnected, ProducerError
-from producer.protocol import LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob, read_password, redacted
+from producer.protocol import (DEFAULT_TENANT, LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob, check_tenant,
+                               read_password, redacted)
+from producer.shell import DEFAULT_URL, TENANT_ENV
+from producer.tenants import TenantRegistry
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.redis_url = args.redis_url or os.environ.get("STREAMBATCH_REDIS_URL") or DEFAULT_URL
     errors = Console(stderr=True, highlight=False)
     try:
         password = read_password(args.redis_password_file) if args.redis_password_file else None
@@ -40,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.print(f"[red]error:[/] --redis-password-file: {escape(str(error))}")
         return 1
     try:
-        producer = Producer(args.redis_url, prefix=args.prefix, password=password)
+        producer = Producer(args.redis_url, tenant=args.tenant, prefix=args.prefix, password=password)
     except ValueError as error:  # redis-py's word on a URL it cannot parse
         errors.print(f"[red]error:[/] bad --redis-url {escape(repr(redacted(args.redis_url)))}: {escape(str(error))}")
         return 1
@@ -76,12 +82,14 @@ def _stdout_closed() -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__.split("\n")[0])
-    parser.add_argument("--redis-url", default=os.environ.get("STREAMBATCH_REDIS_URL", DEFAULT_URL), type=_utf8,
-                        help="default: $STREAMBATCH_REDIS_URL or %(default)s")
+    # The environment's value is read after parsing, never made the default: --help would print it.
+    parser.add_argument("--redis-url", type=_utf8, help=f"default: $STREAMBATCH_REDIS_URL, else {DEFAULT_URL}")
     parser.add_argument("--redis-password-file", default=os.environ.get("STREAMBATCH_REDIS_PASSWORD_FILE"),
                         help="a file holding the Redis password, in place of one in the URL "
                              "(default: $STREAMBATCH_REDIS_PASSWORD_FILE)")
     parser.add_argument("--prefix", default="sb", type=_utf8, help="key prefix shared with the workers")
+    parser.add_argument("--tenant", type=_tenant, default=os.environ.get(TENANT_ENV) or DEFAULT_TENANT,
+                        help=f"whose requests these are (default: ${TENANT_ENV}, else {DEFAULT_TENANT})")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     submit = commands.add_parser("submit", help="enqueue a request; print its id, or --stream it")
@@ -131,7 +139,33 @@ def _parser() -> argparse.ArgumentParser:
     pins = commands.add_parser("pins", help="the pinned prefixes")
     pins.add_argument("--json", action="store_true")
     pins.set_defaults(run=_pins)
+
+    tenant = commands.add_parser("tenant", help="the tenant registry, their Redis users and API keys (operator)")
+    actions = tenant.add_subparsers(required=True, metavar="ACTION")
+    add = actions.add_parser("add", help="register a tenant: its Redis user, its API key (shown once)")
+    add.add_argument("name", type=_tenant)
+    add.add_argument("--weight", type=float, default=1.0, help="its share of the fleet (default %(default)s)")
+    add.add_argument("--max-backlog", type=int, default=10_000, help="per lane (default %(default)s)")
+    rotate = actions.add_parser("rotate-key", help="new Redis password and API key; the old ones stop at once")
+    rotate.add_argument("name", type=_tenant)
+    for issuing, adding in ((add, True), (rotate, False)):
+        issuing.add_argument("--password-file", required=True, type=Path,
+                             help="where the tenant's new Redis password goes (made with mode 0600; never printed)")
+        issuing.set_defaults(run=_tenant_issue, adding=adding)
+    remove = actions.add_parser("remove", help="unregister a tenant and delete its Redis user")
+    remove.add_argument("name", type=_tenant)
+    remove.set_defaults(run=_tenant_remove)
+    listing = actions.add_parser("list", help="the registered tenants")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(run=_tenant_list)
     return parser
+
+
+def _tenant(value: str) -> str:
+    try:
+        return check_tenant(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _utf8(value: str) -> str:
@@ -190,7 +224,7 @@ def _print_stream(producer: Producer, request_id: str, timeout: float | None, er
     logprobs: list[TokenLogprob] = []
     for event in producer.stream(request_id, timeout):
         if isinstance(event, TokenEvent):
-            sys.stdout.write(event.text)
+            sys.stdout.write(printable(event.text))
             sys.stdout.flush()
             token_ids += event.ids
             logprobs += event.logprobs or ()
@@ -201,12 +235,12 @@ def _print_stream(producer: Producer, request_id: str, timeout: float | None, er
                          f"TTFT {event.timings.ttft:.2f} s · total {event.timings.total:.2f} s · "
                          f"watched {time.monotonic() - started:.2f} s][/]")
             if event.error:
-                errors.print(f"[red]error:[/] {escape(event.error)}")
+                errors.print(f"[red]error:[/] {escape(printable(event.error))}")
             return 1 if event.finish_reason == "error" else 0
         elif isinstance(event, ErrorEvent):
             print()
             _print_logprobs(token_ids, logprobs, errors)
-            errors.print(f"[red]error:[/] {escape(f'{event.code}: {event.message}')}")
+            errors.print(f"[red]error:[/] {escape(printable(f'{event.code}: {event.message}'))}")
             return 1
     raise AssertionError("a stream always ends with a terminal event")
 
@@ -216,9 +250,9 @@ def _result(producer: Producer, args, errors: Console) -> int:
     if args.json:
         print(msgspec.json.encode(completion).decode())
     else:
-        print(completion.text)
+        print(printable(completion.text))
         _print_logprobs(completion.token_ids, completion.logprobs or [], errors)
-        errors.print(f"[dim]{escape(_summary(completion))}[/]")
+        errors.print(f"[dim]{escape(printable(_summary(completion)))}[/]")
     return 0 if completion.ok else 1
 
 
@@ -243,6 +277,17 @@ def _print_logprobs(token_ids: list[int], logprobs: list[TokenLogprob], errors: 
     errors.print(table)
 
 
+# What a terminal would act on rather than show: C0 and C1 controls (ESC starts the sequences that
+# move the cursor, retitle the window or rewrite earlier lines) but newline and tab, and the
+# bidirectional overrides that reorder what is shown.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """Generated text as it is safe to write to a terminal: model output is anyone's input."""
+    return _CONTROLS.sub("", text)
+
+
 def _token_text(text: str, token_id: int) -> str:
     """Quoted, so that spaces and newlines show; the id where the worker had no tokenizer."""
     return repr(text) if text else f"#{token_id}"
@@ -253,6 +298,59 @@ def _summary(completion: Completion) -> str:
         return f"error: {completion.error}"
     return (f"[{completion.finish_reason} · {completion.usage.completion_tokens} tokens · "
             f"TTFT {completion.timings.ttft:.2f} s · total {completion.timings.total:.2f} s]")
+
+
+def _tenant_issue(producer: Producer, args, errors: Console) -> int:
+    registry = TenantRegistry(producer.redis, producer.keys)
+    adding = args.adding
+    try:
+        if adding:
+            issued = registry.add(args.name, weight=args.weight, max_backlog=args.max_backlog)
+        else:
+            issued = registry.rotate_key(args.name)
+    except ValueError as error:
+        errors.print(f"[red]error:[/] {escape(str(error))}")
+        return 1
+    with os.fdopen(os.open(args.password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        out.write(issued.password + "\n")
+    os.chmod(args.password_file, 0o600)  # a file that existed keeps its mode otherwise
+    print(issued.api_key)  # stdout, once: the one place it is shown
+    errors.print(f"{'registered' if adding else 'new credentials for'} tenant {issued.tenant}\n"
+                 f"  Redis: {escape(redacted(args.redis_url))} as user {issued.username}, password in "
+                 f"{escape(str(args.password_file))} (STREAMBATCH_REDIS_PASSWORD_FILE)\n"
+                 f"  tenant: STREAMBATCH_TENANT={issued.tenant}\n"
+                 "  gateway API key: printed above, once; only its SHA-256 is kept", soft_wrap=True)  # paths whole
+    if not issued.persisted:
+        errors.print("[yellow]warning:[/] this Redis has no ACL file: the user lasts until it restarts")
+    return 0
+
+
+def _tenant_remove(producer: Producer, args, errors: Console) -> int:
+    try:
+        persisted = TenantRegistry(producer.redis, producer.keys).remove(args.name)
+    except ValueError as error:
+        errors.print(f"[red]error:[/] {escape(str(error))}")
+        return 1
+    errors.print(f"removed tenant {args.name}: its Redis user is gone; workers serve what its streams hold "
+                 "until they restart")
+    if not persisted:
+        errors.print("[yellow]warning:[/] this Redis has no ACL file: the change lasts until it restarts")
+    return 0
+
+
+def _tenant_list(producer: Producer, args, errors: Console) -> int:
+    registered = TenantRegistry(producer.redis, producer.keys).list()
+    if args.json:
+        print(msgspec.json.encode([{"tenant": entry.tenant, "weight": entry.entry.weight,
+                                    "max_backlog": entry.entry.max_backlog, "user": entry.has_user}
+                                   for entry in registered]).decode())
+        return 0
+    table = Table("tenant", "weight", "max backlog", "Redis user", title="tenants")
+    for entry in registered:
+        table.add_row(entry.tenant, f"{entry.entry.weight:g}", str(entry.entry.max_backlog),
+                      tenant_user(entry.tenant) if entry.has_user else "[yellow]missing[/]")
+    Console(highlight=False).print(table)
+    return 0
 
 
 def _cancel(producer: Producer, args, errors: Console) -> int:
@@ -266,16 +364,19 @@ def _stats(producer: Producer, args, errors: Console) -> int:
     if args.json:
         print(msgspec.json.encode(stats).decode())
         return 0
-    lanes = Table("lane", "backlog", "pending", title="lanes")
+    lanes = Table("lane", "backlog", "pending", title=f"lanes of tenant {producer.keys.tenant}")
     for lane, lane_stats in stats.lanes.items():
         lanes.add_row(lane, str(lane_stats.backlog), str(lane_stats.pending))
+    out = Console(highlight=False)
+    if stats.workers is None:
+        out.print(lanes, "workers and dead letters: the operator's to see (this Redis user may not read them)")
+        return 0
     workers = Table("worker", "state", "model", "running", "waiting", "KV", "tokens/s", "up",
                     title="live workers")
     for worker in stats.workers:
         workers.add_row(escape(worker.name), escape(worker.state or "?"), escape(worker.model or "?"),
                         _show(worker.running), _show(worker.waiting), _show(worker.kv_usage, "{:.0%}"),
                         _show(worker.tokens_per_s, "{:.1f}"), _show(worker.uptime, "{:.0f} s"))
-    out = Console(highlight=False)
     out.print(lanes, workers if stats.workers else "[yellow]no live workers[/]")
     for worker in stats.workers:
         if worker.state == "starting" and worker.phase:

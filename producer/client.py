@@ -13,8 +13,8 @@ from typing import Any
 import redis
 
 from producer.core import Call, Deliver, Flow, Operation, Pause, Steps, Subscribe
-from producer.errors import Disconnected
-from producer.protocol import Event, connection_options
+from producer.errors import Disconnected, NotPermitted
+from producer.protocol import Event, connection_options, is_tls_refusal
 from producer.shell import MAX_CONNECTIONS, ProducerShell, as_is
 
 
@@ -86,9 +86,12 @@ def queued(client, call: Call):
 
 
 def flow_error(error: redis.RedisError) -> Exception:
-    """What a flow is told of a failed operation: a lost connection as Disconnected, the rest as is
-    (a refused password too, which redis-py counts as a connection error: no retry brings it in)."""
-    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not isinstance(
-            error, redis.AuthenticationError):
+    """What a flow is told of a failed operation: a lost connection as Disconnected, a command the
+    ACL refuses as NotPermitted, the rest as is (a refused password or TLS handshake too, which
+    redis-py counts as connection errors: no retry brings them in)."""
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not (
+            isinstance(error, redis.AuthenticationError) or is_tls_refusal(error)):
         return Disconnected(f"redis: {error}")
+    if isinstance(error, redis.exceptions.NoPermissionError):
+        return NotPermitted(f"redis: {error}")
     return error

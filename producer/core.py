@@ -13,12 +13,14 @@ own claim by a token, so it never enqueues twice; after it gives up, submitting 
 request id again is the safe retry (it waits for a claim left mid-way to lapse, then takes it).
 
 How a stream misses nothing: SUBSCRIBE to the request's channel and wait for the server's
-confirmation, and only then read the replay stream from the start: every event published
-after the confirmation reaches us live, every one before it is in the replay stream (the
-worker writes both in one script). Then follow the channel, letting EventSequencer drop
-what was seen and hold back what came early; on a gap, and whenever the channel is quiet for
-`poll_interval` (a publish lost in a reconnect), read the replay stream again from the last
-entry read.
+confirmation, and only then read the replay stream from the start: every event written after
+the confirmation is announced on the channel, every one before it is in the replay stream (the
+worker writes both in one script). Then, at each message on the channel, and whenever the
+channel is quiet for `poll_interval` (a publish lost in a reconnect), read the replay stream
+again from the last entry read. Events are taken from the replay stream only, which only the
+request's current owner can write (the fence, worker/outbox.py): a message on the channel is a
+nudge whose content is never read, so a PUBLISH by anyone else (who may publish there) can
+neither forge an event nor end the stream.
 
 How a stream always ends: each replay read also reads the request's submission key
 (`Keys.submitted`, see `Submission`), and `SubmissionWatch` turns what the two say into an end:
@@ -38,7 +40,8 @@ from typing import Any
 
 import msgspec
 
-from producer.errors import Disconnected, EventsLost, ProtocolViolation, QueueFull, UnknownRequest
+from producer.errors import (Disconnected, EventsLost, NotPermitted, ProtocolViolation, QueueFull,
+                             UnknownRequest)
 from producer.protocol import (ENQUEUE_TTL_S, FIELD, GROUP, LANES, Event, Keys, Request, Submission, decode_event,
                                decode_request, decode_submission, encode)
 from producer.sequencer import EventSequencer
@@ -173,6 +176,14 @@ class ProducerCore:
                                           raise_on_error=False)
             lanes[lane] = LaneStats(backlog=_reply(backlog),
                                     pending=0 if isinstance(pending, Exception) else pending["pending"])
+        try:
+            workers, dead_letters = yield from self._fleet()
+        except NotPermitted:  # a tenant's user sees its own lanes only
+            workers = dead_letters = None
+        return QueueStats(lanes, workers, dead_letters=dead_letters)
+
+    def _fleet(self) -> Flow:
+        """-> (the live workers, the dead letters' count): the shared keys, the operator's to read."""
         # SCAN, not KEYS: never block the server for the sake of a dashboard.
         names, cursor = [], 0
         while True:
@@ -188,7 +199,7 @@ class ProducerCore:
         workers = [parse_heartbeat(name.decode(), value) for (name, _), value in zip(heartbeats, values)
                    if value]  # an empty value: the heartbeat expired between the two reads
         [dead_letters] = yield Call((command("xlen", self.keys.dead_letters),))
-        return QueueStats(lanes, workers, dead_letters=dead_letters)
+        return workers, dead_letters
 
     def pin(self, prefix: Request) -> Flow:
         """Publish a prefix for every worker to keep pinned, named by the request's id (Keys.pins);
@@ -229,23 +240,15 @@ class ProducerCore:
                     yield Deliver(ready)
                 if sequencer.finished:
                     return
-            # Follow the channel until a gap, a quiet spell or a lost connection sends us back to the replay.
-            while True:
-                try:
-                    message = yield Listen(clock.wait(self.poll_interval))
-                except Disconnected as error:
-                    yield from listening.lost(error)
-                    break
+            # Wait for a nudge, a quiet spell or a lost connection: each sends us back to the replay.
+            try:
+                message = yield Listen(clock.wait(self.poll_interval))
+                while message is not None:  # the nudges queued meanwhile: one replay read covers them all
+                    message = yield Listen(0)
+            except Disconnected as error:
+                yield from listening.lost(error)
+            else:
                 listening.reached()
-                if message is None:
-                    break
-                ready = sequencer.push(_decoded(message["data"], channel))
-                if ready:
-                    yield Deliver(ready)
-                if sequencer.finished:
-                    return
-                if sequencer.has_gap:
-                    break
 
     def _subscribe(self, channel: str, clock: Deadline) -> Flow:
         """SUBSCRIBE, and wait for the server's confirmation: through lost connections (each

@@ -34,5 +34,10 @@ class Disconnected(ProducerError, ConnectionError):
     """Redis could not be reached (a stream gives up after trying for a while)."""
 
 
+class NotPermitted(ProducerError, PermissionError):
+    """This Redis user may not do that (NOPERM): the ACL roles give a tenant's producer its own
+    keys only (README, Security)."""
+
+
 class ProtocolViolation(ProducerError):
     """Something on Redis does not decode as the wire contract says."""

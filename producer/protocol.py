@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 import socket
+import ssl
 import time
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
@@ -27,6 +28,18 @@ WorkerState = Literal["starting", "ready", "draining"]
 FAST_PROMPT_TOKENS = 256
 FAST_MAX_TOKENS = 128
 
+# What one request may carry, for both sides: the producer refuses more before it enqueues, the
+# worker before it decodes (entry size) or as it decodes (msgspec checks lengths as it reads), so
+# that no entry costs a worker's loop more than a few milliseconds before it is refused. Larger
+# than any model here can take (its max_model_len refuses what is left, before tokenizing).
+MAX_ENTRY_BYTES = 4 * 2**20  # an encoded request, as XADDed
+MAX_PROMPT_CHARS = 2**20  # a prompt's text, and all of a conversation's message contents together
+MAX_MESSAGES = 2048
+MAX_PROMPT_IDS = 2**20
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # stop strings, and the length of each
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKENS = 2**20  # max_tokens; the worker also refuses what leaves no room in its model length
+
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """How one request is sampled and when it stops (names follow vLLM's)."""
@@ -40,8 +53,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: list[str] = msgspec.field(default_factory=list)
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    stop: Annotated[list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]],
+                    msgspec.Meta(max_length=MAX_STOP_STRINGS)] = msgspec.field(default_factory=list)
+    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = msgspec.field(
+        default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs to return per token
 
@@ -57,7 +72,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
 def _sampling_problems(p: SamplingParams) -> list[str]:
     checks = [
-        (p.max_tokens >= 1, f"max_tokens must be >= 1, got {p.max_tokens}"),
+        (1 <= p.max_tokens <= MAX_TOKENS, f"max_tokens must be in [1, {MAX_TOKENS}], got {p.max_tokens}"),
         (0.0 <= p.temperature <= 100.0, f"temperature must be in [0, 100], got {p.temperature}"),
         (p.top_k >= 0, f"top_k must be >= 0 (0 disables), got {p.top_k}"),
         (0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}"),
@@ -70,7 +85,7 @@ def _sampling_problems(p: SamplingParams) -> list[str]:
          f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"),
         (p.seed is None or 0 <= p.seed < 2**63, f"seed must be in [0, 2**63), got {p.seed}"),
         (all(isinstance(s, str) and s for s in p.stop), "stop strings must be non-empty"),
-        (len(p.stop) <= 16, f"at most 16 stop strings, got {len(p.stop)}"),
+        (len(p.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}"),
         (all(t >= 0 for t in p.stop_token_ids), "stop_token_ids must be >= 0"),
         (p.logprobs is None or 0 <= p.logprobs <= 20, f"logprobs must be in [0, 20], got {p.logprobs}"),
     ]
@@ -129,16 +144,16 @@ def check_request_id(request_id: str) -> str:
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: Role
-    content: str
+    content: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One generation request: exactly one of prompt / messages / prompt_ids."""
 
     id: str = msgspec.field(default_factory=new_request_id)
-    prompt: str | None = None
-    messages: list[Message] | None = None
-    prompt_ids: list[int] | None = None
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    messages: Annotated[list[Message], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
+    prompt_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_PROMPT_IDS)] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     lane: Lane | None = None  # None: the lane rule decides
     deadline: float | None = None  # unix seconds: not started by then -> finish reason "deadline"
@@ -154,6 +169,9 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
             raise ValueError(f"give exactly one of prompt, messages, prompt_ids; got {given or 'none'}")
         if self.prompt_ids is not None and any(t < 0 for t in self.prompt_ids):
             raise ValueError("prompt_ids must be non-negative token ids")
+        # Each field's own length is checked as it is decoded (the Meta bounds); this one spans fields.
+        if self.messages is not None and (chars := sum(len(m.content) for m in self.messages)) > MAX_PROMPT_CHARS:
+            raise ValueError(f"messages: at most {MAX_PROMPT_CHARS} characters of content in all, got {chars}")
 
 
 # --- events ----------------------------------------------------------------------------
@@ -269,6 +287,21 @@ def connection_options(blocking_ms: int = 0, password: str | None = None) -> dic
             "health_check_interval": HEALTH_CHECK_S, "retry": None} | ({"password": password} if password else {})
 
 
+def is_tls_refusal(error: BaseException) -> bool:
+    """A connection error that no retry cures because the TLS handshake failed: a server whose
+    certificate the client does not trust, a client without the certificate a server asks for.
+    (redis-py raises its ConnectionError while handling the ssl module's error.)"""
+    cause = error.__cause__ or error.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return True
+    # The server's alert: HANDSHAKE_FAILURE (TLS 1.2), CERTIFICATE_REQUIRED (1.3), BAD_CERTIFICATE,
+    # UNKNOWN_CA. An EOF or a reset is a lost connection, retried: so under TLS 1.3 can a missing
+    # client certificate look, when the server's close beats its alert.
+    reason = getattr(cause, "reason", None) or ""
+    return isinstance(cause, ssl.SSLError) and any(word in reason for word in ("CERTIFICATE", "UNKNOWN_CA",
+                                                                                "HANDSHAKE_FAILURE"))
+
+
 def read_password(path: str) -> str:
     """The Redis password kept in a file (a compose secret, /run/secrets/...), so that it is in
     neither a URL, an environment variable nor a command line; one trailing newline dropped.
@@ -326,9 +359,47 @@ def is_missing_group(error: Exception) -> bool:
     return "NOGROUP " in str(error)
 
 
+TENANT = re.compile(r"[a-z0-9_-]{1,32}")  # tenant names end up inside key names and ACL rules
+DEFAULT_TENANT = "default"  # the embedded start's one tenant, always served
+
+
+def check_tenant(tenant: str) -> str:
+    if not isinstance(tenant, str) or not TENANT.fullmatch(tenant):
+        raise ValueError(f"tenant name must match [a-z0-9_-]{{1,32}}, got {tenant!r:.80}")
+    return tenant
+
+
+class Tenant(msgspec.Struct, omit_defaults=True):
+    """A tenant's entry in the registry (`Keys.tenants`, name -> this as JSON), written by operators
+    and read by every worker each heartbeat: the workers serve every registered tenant's lanes (and
+    the default tenant's, registered or not)."""
+
+    weight: float = 1.0  # its share of the fleet against other tenants'
+    max_backlog: int = 10_000  # per lane, entries waiting or in flight
+    api_key_sha256: str = ""  # of its gateway API key (producer/tenants.py), never the key itself
+
+    def __post_init__(self) -> None:
+        if not (0 < self.weight <= 1000):
+            raise ValueError(f"weight must be in (0, 1000], got {self.weight}")
+        if self.max_backlog < 1:
+            raise ValueError(f"max_backlog must be >= 1, got {self.max_backlog}")
+
+
+_tenant_decoder = msgspec.json.Decoder(Tenant)
+
+
+def decode_tenant(data: bytes) -> Tenant:
+    return _tenant_decoder.decode(data)
+
+
 class Keys:
-    """Every key and channel name. Keys of one request share a hash tag ({id}) so that in
-    Redis Cluster they live on one node.
+    """Every key and channel name (layout v2, see design.md): one tenant's, and the shared ones.
+
+    A tenant's keys and channels all begin with `<prefix>:t:<tenant>:`, so one ACL rule per
+    tenant covers them; the shared keys (dead letters, heartbeats, pins, the tenant registry)
+    lie outside every tenant's prefix. Hash tags: a request's keys share `{<id>}` (one slot,
+    so its scripts are atomic in Redis Cluster); each intake stream has one of its own, naming
+    (tenant, lane, shard), so that streams spread over nodes.
 
     Lifetimes, and who sets them:
     - `requests(lane)`: an entry lives from the producer's XADD to the ack (XACK + XDEL) of the
@@ -344,35 +415,48 @@ class Keys:
     - `replay(id)`: every event write sets its TTL to the worker's replay TTL (DEFAULT_REPLAY_TTL_S).
     - `worker(name)`: the heartbeat, a few seconds past the next beat.
     - `dead_letters`: trimmed to the workers' --dead-letter-ttl, and capped.
-    - `pins`, `tokens(id)`, `cancel_channel`: permanent (operator-managed) or nothing stored.
+    - `pins`, `tenants`: permanent, operator-managed.
+    - `tokens(id)`, `cancel_channel`: channels, nothing stored.
     """
 
-    def __init__(self, prefix: str = "sb") -> None:
-        self.prefix = prefix
-        self.cancel_channel = f"{prefix}:cancel"
+    def __init__(self, prefix: str = "sb", tenant: str = DEFAULT_TENANT) -> None:
+        self.prefix, self.tenant = prefix, check_tenant(tenant)
+        self.tenant_prefix = f"{prefix}:t:{tenant}:"
+        self.cancel_channel = f"{self.tenant_prefix}cancel"
         self.dead_letters = f"{prefix}:dead"
+        self.tenants = f"{prefix}:tenants"  # hash: the tenant registry, name -> Tenant as JSON
 
-    def requests(self, lane: Lane) -> str:
+    def of(self, tenant: str) -> Keys:
+        """The same layout for another tenant."""
+        return self if tenant == self.tenant else Keys(self.prefix, tenant)
+
+    def requests(self, lane: Lane, shard: int = 0) -> str:
+        """The tenant's intake stream of a lane. Layout v2 names a shard so that a (tenant, lane)
+        can later be split over streams on several nodes; there is one shard, 0, for now."""
+        return f"{self.tenant_prefix}req:{{{self.tenant}.{lane}.{shard}}}"
+
+    def v1_requests(self, lane: Lane) -> str:
+        """The lane stream of layout v1 (no tenants), looked at only to refuse a start over it."""
         return f"{self.prefix}:req:{lane}"
 
     def tokens(self, request_id: str) -> str:
-        return f"{self.prefix}:{{{request_id}}}:tok"
+        return f"{self.tenant_prefix}{{{request_id}}}:tok"
 
     def replay(self, request_id: str) -> str:
-        return f"{self.prefix}:{{{request_id}}}:out"
+        return f"{self.tenant_prefix}{{{request_id}}}:out"
 
     def cancelled(self, request_id: str) -> str:
-        return f"{self.prefix}:{{{request_id}}}:cancelled"
+        return f"{self.tenant_prefix}{{{request_id}}}:cancelled"
 
     def attempt(self, request_id: str) -> str:
         """Who owns the request now, "<attempt> <lane stream> <entry id>", set by the worker that
         claims it: a worker's event writes are refused unless the value is its own (fencing)."""
-        return f"{self.prefix}:{{{request_id}}}:attempt"
+        return f"{self.tenant_prefix}{{{request_id}}}:attempt"
 
     def submitted(self, request_id: str) -> str:
         """The id's `Submission`: marks it taken (idempotent submit) while the request waits
         and runs, and after it finished as long as its replay stream lives."""
-        return f"{self.prefix}:{{{request_id}}}:submitted"
+        return f"{self.tenant_prefix}{{{request_id}}}:submitted"
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{name}"

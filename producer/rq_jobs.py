@@ -19,7 +19,9 @@ JSON types only:
 
 Which Redis: a job reaches streambatch on the server its rq worker uses (the job's own
 connection), unless given `url=`: another server, TLS with certificate options, Sentinel or
-Cluster. `prefix=` must match the streambatch workers' prefix.
+Cluster. `prefix=` must match the streambatch workers' prefix. The tenant is the rq worker's
+`$STREAMBATCH_TENANT` (else `default`), never a job argument: whoever enqueues a job cannot
+choose to act for another team.
 
 Request ids come from the rq job id: `rq-<job id>`, and for batch line n `rq-<job id>_<n>`
 unless the line names its own. A retried job (rq's Retry, a requeue) finds the requests its

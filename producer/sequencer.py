@@ -1,11 +1,9 @@
-"""Events of one request in order, each exactly once, from two sources that overlap.
+"""Events of one request in order, each exactly once, from reads of its replay stream.
 
-A consumer hears of events twice: from the replay stream (everything written so far) and
-from the pub/sub channel (live). Either may repeat what the other delivered; the channel
-may skip events (published before we subscribed, lost in a reconnect) and, with two
-workers on one request, may even reorder them. The sequencer takes events from both and
-releases them strictly by `seq`. It is pure, so the subtle half of streaming is tested
-without Redis.
+A consumer reads the replay stream again and again (producer/core.py); a read may repeat what
+an earlier one delivered, and a stream that lost events (trimmed, expired) has a hole that no
+later read fills. The sequencer releases events strictly by `seq`, each once, and says when a
+hole shows. It is pure, so the subtle half of streaming is tested without Redis.
 """
 
 from __future__ import annotations
@@ -23,11 +21,11 @@ class EventSequencer:
 
     @property
     def has_gap(self) -> bool:
-        """Events are held back behind a missing seq: time to read the replay stream."""
+        """Events are held back behind a missing seq."""
         return bool(self._early)
 
     def push(self, event: Event) -> list[Event]:
-        """Take one event from either source; return those now due, in seq order."""
+        """Take one event; return those now due, in seq order."""
         if self.finished or event.seq < self.next_seq:
             return []  # released already (or after the end): a duplicate
         # The first copy of a seq wins; a stale worker's later copy is dropped with it.

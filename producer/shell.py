@@ -8,15 +8,17 @@ awaitable of that value (`stream` an async iterator), so `await producer.submit(
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from producer.completion import Completion
 from producer.core import Flow, ProducerCore
-from producer.protocol import DEFAULT_CLAIM_TTL_S, Keys, Lane, Message, Request, SamplingParams
+from producer.protocol import DEFAULT_CLAIM_TTL_S, DEFAULT_TENANT, Keys, Lane, Message, Request, SamplingParams
 from producer.submission import build_request, checked_id
 
 DEFAULT_URL = "redis://localhost:6379/0"
+TENANT_ENV = "STREAMBATCH_TENANT"  # the tenant a producer acts for when none is passed
 MAX_CONNECTIONS = 10_000  # per pool: Redis's own default maxclients (redis-py 8 would stop at 100)
 
 
@@ -26,17 +28,20 @@ def as_is(value: Any) -> Any:
 
 
 class ProducerShell:
-    def __init__(self, url: str = DEFAULT_URL, *, prefix: str = "sb", max_backlog: int = 10_000,
-                 claim_ttl: float = DEFAULT_CLAIM_TTL_S, poll_interval: float = 1.0,
+    def __init__(self, url: str = DEFAULT_URL, *, tenant: str | None = None, prefix: str = "sb",
+                 max_backlog: int = 10_000, claim_ttl: float = DEFAULT_CLAIM_TTL_S, poll_interval: float = 1.0,
                  password: str | None = None) -> None:
-        """`password` takes the place of one in the URL (protocol.read_password reads one from a file).
+        """`tenant`: whose requests these are (default: $STREAMBATCH_TENANT, else "default"); every
+        key and channel used is in that tenant's part of the layout (protocol.Keys).
+        `password` takes the place of one in the URL (protocol.read_password reads one from a file).
         `max_backlog`: per lane, entries waiting or in flight before submit refuses.
         `claim_ttl`: seconds a submitted id stays taken while it waits for a worker (the
         longest a request may wait and still be found), and a cancel flag lives; once a worker
         finishes it, the id stays taken as long as its events stay readable (the worker's
         replay_ttl). `poll_interval`: how long the channel may stay quiet before a stream
         re-reads the replay stream."""
-        self.core = ProducerCore(Keys(prefix), max_backlog, int(claim_ttl), poll_interval)
+        tenant = tenant if tenant is not None else os.environ.get(TENANT_ENV) or DEFAULT_TENANT
+        self.core = ProducerCore(Keys(prefix, tenant), max_backlog, int(claim_ttl), poll_interval)
         self.keys = self.core.keys
         self._password = password
         self.redis = self._connect(url)

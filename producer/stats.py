@@ -39,9 +39,12 @@ class WorkerInfo(msgspec.Struct):
 
 
 class QueueStats(msgspec.Struct):
+    """The producer's tenant's lanes; the live workers and the dead letters' count are shared
+    keys, None for a user that may not read them (a tenant's, under the ACL roles)."""
+
     lanes: dict[Lane, LaneStats]
-    workers: list[WorkerInfo]
-    dead_letters: int
+    workers: list[WorkerInfo] | None
+    dead_letters: int | None
 
 
 def parse_heartbeat(key_name: str, value: bytes | dict | None) -> WorkerInfo:

@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 
 from producer.errors import InvalidRequest
-from producer.protocol import (Lane, Message, Request, SamplingParams, check_request_id, decode_request, encode,
-                               pick_lane)
+from producer.protocol import (MAX_ENTRY_BYTES, Lane, Message, Request, SamplingParams, check_request_id,
+                               decode_request, encode, pick_lane)
 
 # The producer has no tokenizer, so it estimates. BPE tokenizers average about 4 bytes of
 # English per token; dividing by 3 over-estimates, so a prompt near the fast lane's limit
@@ -49,9 +49,10 @@ def build_request(
         fields: dict[str, Any] = {"prompt": prompt, "messages": messages, "prompt_ids": prompt_ids,
                                   "params": params, "lane": lane, "id": request_id,
                                   "deadline": deadline}
-        request = _strict(lambda: msgspec.convert(
+        built = _strict(lambda: msgspec.convert(
             {name: value for name, value in fields.items() if value is not None}, Request))
-        encoded(request)  # what validates but cannot go on the wire is refused here too
+        data = encoded(built)  # what validates but cannot go on the wire is refused here too
+        request = _strict(lambda: decode_request(data))  # and what the worker's decoding would refuse
     if request.prompt == "" or request.messages == [] or request.prompt_ids == []:
         raise InvalidRequest("invalid request: the prompt is empty")
     if request.deadline is not None and request.deadline <= time.time():
@@ -63,12 +64,16 @@ def build_request(
 def encoded(request: Request) -> bytes:
     """The request as it goes on the wire. Refuses with InvalidRequest, naming the field, what
     passes validation but cannot be encoded: an integer beyond msgpack's 64 bits, text that is
-    not UTF-8 (a lone surrogate, as non-UTF-8 bytes decode with surrogateescape)."""
+    not UTF-8 (a lone surrogate, as non-UTF-8 bytes decode with surrogateescape), and a request
+    larger than MAX_ENTRY_BYTES."""
     try:
-        return encode(request)
+        data = encode(request)
     except (OverflowError, UnicodeEncodeError, msgspec.EncodeError) as error:
         found = _unencodable(msgspec.to_builtins(request), "")
         raise InvalidRequest(f"invalid request: {found or error}") from None
+    if len(data) > MAX_ENTRY_BYTES:
+        raise InvalidRequest(f"invalid request: {len(data)} bytes encoded, more than {MAX_ENTRY_BYTES}")
+    return data
 
 
 def _unencodable(value: Any, path: str) -> str | None:

@@ -73,9 +73,13 @@ def launch():
 
 
 @contextlib.contextmanager
-def private_redis(workdir, password: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A redis-server of our own on a free port (never a shared one), with `password` if given;
-    -> (its URL without the password, the process), stopped on the way out."""
+def private_redis(workdir, password: str | None = None, *, username: str | None = None,
+                  options: tuple[str, ...] = (), tls: dict[str, str] | None = None,
+                  ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A redis-server of our own on a free port (never a shared one), with `password` if given
+    (`requirepass`, or that of `username` when its `options` load an ACL file); with `tls` (the
+    ssl_* options of a client it trusts; its own TLS flags go in `options`) it listens on TLS
+    only. -> (its URL without the password, the process), stopped on the way out."""
     import shutil
     import socket
     import time
@@ -88,12 +92,13 @@ def private_redis(workdir, password: str | None = None) -> Iterator[tuple[str, s
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    ports = ["--port", "0", "--tls-port", str(port)] if tls else ["--port", str(port)]
+    process = subprocess.Popen([binary, *ports, "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no", "--dir", str(workdir),
-                                *(["--requirepass", password] if password else [])],
+                                *(["--requirepass", password] if password and not username else []), *options],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, password=password)
+    url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, username=username, password=password, **(tls or {}))
     try:
         for _ in range(100):
             try:

@@ -1,9 +1,11 @@
 """Cancellation as the producer sends it: the key `Keys.cancelled(id)` (with a TTL) plus the
-id PUBLISHed on `Keys.cancel_channel`.
+id PUBLISHed on its tenant's `Keys.cancel_channel`.
 
-The nudge is read every turn without a round trip: the subscribed socket is only polled.
-The key makes it durable: it is checked when a request is claimed (claims.py) and swept for
-every running request each heartbeat, which catches a nudge lost with a pub/sub connection.
+The key is the cancel; the channel only says when to look. A nudge makes the worker check the
+named requests' keys before it stops any (so a bare PUBLISH, which a tenant may send on its own
+channel, stops nothing that its owner did not cancel), and the keys of every running request are
+swept each heartbeat, which catches a nudge lost with a pub/sub connection. The subscribed
+socket is only polled, never read with a wait.
 """
 
 from __future__ import annotations
@@ -11,27 +13,40 @@ from __future__ import annotations
 import redis
 
 from producer.protocol import Keys
+from worker.flight import Flight, engine_id
 
 
 class Cancels:
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
-        self.client, self.keys = client, keys
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
         self.subscription = client.pubsub(ignore_subscribe_messages=True)  # polled, never a blocking read
-        self.subscription.subscribe(keys.cancel_channel)
+        self.tenants: dict[str, str] = {}  # cancel channel -> its tenant
+
+    def follow(self, tenants: list[Keys]) -> None:
+        """Listen for these tenants' nudges too."""
+        new = {keys.cancel_channel: keys.tenant for keys in tenants if keys.cancel_channel not in self.tenants}
+        if new:
+            self.subscription.subscribe(*new)
+            self.tenants |= new
 
     def nudged(self) -> set[str]:
-        """Ids published since the last call (any request's: the caller picks its own)."""
-        request_ids = set()
+        """The engine ids (`Flight.name`) of the requests named since the last call, any
+        request's: the caller picks its own, and checks them (`swept`) before it stops one."""
+        names = set()
         while (message := self.subscription.get_message(timeout=0)) is not None:
-            request_ids.add(bytes(message["data"]).decode(errors="replace"))
-        return request_ids
+            tenant = self.tenants.get(bytes(message["channel"]).decode(errors="replace"))
+            if tenant is not None:
+                names.add(engine_id(tenant, bytes(message["data"]).decode(errors="replace")))
+        return names
 
-    def swept(self, request_ids: list[str]) -> list[str]:
-        """Those of `request_ids` whose cancel key is set."""
+    def swept(self, flights: list[Flight]) -> list[Flight]:
+        """Those of `flights` whose cancel key is set."""
+        if not flights:
+            return []
         pipe = self.client.pipeline(transaction=False)
-        for request_id in request_ids:
-            pipe.exists(self.keys.cancelled(request_id))
-        return [request_id for request_id, cancelled in zip(request_ids, pipe.execute()) if cancelled]
+        for flight in flights:
+            pipe.exists(flight.keys.cancelled(flight.request_id))
+        return [flight for flight, cancelled in zip(flights, pipe.execute()) if cancelled]
 
     def close(self) -> None:
         self.subscription.close()

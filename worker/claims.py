@@ -4,12 +4,14 @@
   one slot) moves its attempt key on, which fences off any earlier owner (see outbox.py), and
   reads its replay stream in the same atomic step, so the earlier owner's last accepted write
   is in what we read: the tokens already emitted and the next seq. The attempt key holds
-  "<attempt> <stream> <entry id>": the attempt counts up for that entry and starts again at 1
-  for another entry of the id (a later submission of it), and the key never expires while the
-  entry is pending (the ack gives it the replay TTL), so an attempt never repeats for an entry
-  while any writer may hold an old one. The script also marks the id taken if its submission
-  key is gone (it waited longer than the producer's claim TTL), so that consumers and a second
-  submit find it while it runs.
+  "<attempt> <stream> <entry id>": the attempt counts up for that entry, and the key never
+  expires while the entry is pending (the ack gives it the replay TTL), so an attempt never
+  repeats for an entry while any writer may hold an old one. Ownership is bound to the entry:
+  while the key names another entry, a claim changes nothing and answers attempt 0 (the id is
+  taken: a second entry carrying it neither fences the first one's owner off nor writes into
+  its stream); once the key has expired, the id is free for a new entry at attempt 1. The
+  script also marks the id taken if its submission key is gone (it waited longer than the
+  producer's claim TTL), so that consumers and a second submit find it while it runs.
 - reject: a request whose keys are damaged (its replay stream cannot be resumed from) is
   dead-lettered without an event, since none could be numbered; its submission key says
   "rejected" with the reason instead, which ends its consumers' streams.
@@ -45,24 +47,26 @@ from dataclasses import dataclass
 import msgspec
 import redis
 
-from producer.protocol import (FIELD, GROUP, LANES, TERMINAL, Event, Keys, Lane, Submission, TokenEvent, decode_event,
-                               encode)
+from producer.protocol import FIELD, GROUP, TERMINAL, Event, Keys, Lane, Submission, TokenEvent, decode_event, encode
 from worker.flight import Flight
 from worker.heartbeat import beating, worker_of
 from worker.intake import Entry
+from worker.tenants import LaneStreams
 
 HAND_BACK_IDLE_MS = 2**31  # about 25 days: past any reclaim threshold
 
 CLAIM = """
 -- KEYS: attempt key, replay stream, cancel key, submission key.
 -- ARGV: owner ("<stream> <entry id>"), the submission to set if the key is gone, its TTL.
+-- -> {attempt (0: another entry owns the id), the replay stream, whether cancelled}
 local current = redis.call('GET', KEYS[1])
 local attempt = 1
 if current then
   local space = string.find(current, ' ', 1, true)
-  if space and string.sub(current, space + 1) == ARGV[1] then
-    attempt = (tonumber(string.sub(current, 1, space - 1)) or 0) + 1
+  if not space or string.sub(current, space + 1) ~= ARGV[1] then
+    return {0, redis.call('XRANGE', KEYS[2], '-', '+'), redis.call('EXISTS', KEYS[3])}
   end
+  attempt = (tonumber(string.sub(current, 1, space - 1)) or 0) + 1
 end
 redis.call('SET', KEYS[1], attempt .. ' ' .. ARGV[1])
 redis.call('SET', KEYS[4], ARGV[2], 'NX', 'EX', ARGV[3])
@@ -91,10 +95,15 @@ return lost
 
 @dataclass(frozen=True)
 class Claim:
-    attempt: int
+    attempt: int  # 0: the id belongs to another entry, and nothing was claimed
     events: list[Event] | None  # what earlier attempts wrote; None when unreadable
     cancelled: bool
     damage: str | None = None  # a Redis error on one of the request's keys
+
+    @property
+    def taken(self) -> bool:
+        """Another entry owns the id (design.md, rule 2)."""
+        return self.attempt == 0 and self.damage is None
 
     @property
     def problem(self) -> str | None:
@@ -119,19 +128,19 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, client: redis.Redis, keys: Keys, consumer: str, replay_ttl: int,
+    def __init__(self, client: redis.Redis, keys: Keys, streams: LaneStreams, consumer: str, replay_ttl: int,
                  reclaim_idle_ms: int) -> None:
-        self.client, self.keys, self.consumer = client, keys, consumer
+        self.client, self.keys, self.streams, self.consumer = client, keys, streams, consumer
         self.replay_ttl, self.reclaim_idle_ms = replay_ttl, reclaim_idle_ms
-        self.cursors = {keys.requests(lane): "0-0" for lane in LANES}  # fast lane first
+        self.cursors: dict[str, str] = {}  # XAUTOCLAIM's, per stream
         self.claim_script = client.register_script(CLAIM)
         self.keep_script = client.register_script(KEEP)
 
-    def claim(self, requests: dict[str, tuple[Entry, Lane]]) -> list[Claim]:
-        """Claim each request (id -> the entry that carried it and its lane), in order."""
+    def claim(self, requests: list[tuple[str, Entry]]) -> list[Claim]:
+        """Claim each request ((id, the entry that carried it)), in order."""
         pipe = self.client.pipeline(transaction=False)
-        for request_id, (entry, lane) in requests.items():
-            keys = self.keys
+        for request_id, entry in requests:
+            keys, lane = self.streams[entry.stream].keys, self.streams[entry.stream].lane
             self.claim_script(keys=[keys.attempt(request_id), keys.replay(request_id), keys.cancelled(request_id),
                                     keys.submitted(request_id)],
                               args=[entry.owner, encode(Submission(lane)), self.replay_ttl],
@@ -145,9 +154,8 @@ class Claims:
                 claims.append(Claim(attempt, _decode_events(replay), bool(cancelled)))
         return claims
 
-    def reject(self, request_id: str, lane: Lane, reason: str) -> None:
-        self.client.set(self.keys.submitted(request_id), encode(Submission(lane, "rejected", reason)),
-                        ex=self.replay_ttl)
+    def reject(self, keys: Keys, request_id: str, lane: Lane, reason: str) -> None:
+        self.client.set(keys.submitted(request_id), encode(Submission(lane, "rejected", reason)), ex=self.replay_ttl)
 
     def refresh(self, flights: list[Flight]) -> list[Flight]:
         """Keep our entries from looking idle; -> the flights another worker holds now."""
@@ -155,7 +163,7 @@ class Claims:
             return []
         pipe = self.client.pipeline(transaction=False)
         for flight in flights:
-            pipe.get(self.keys.attempt(flight.request_id))
+            pipe.get(flight.keys.attempt(flight.request_id))
         by_stream = self._queue_keep(pipe, [flight.entry for flight in flights])
         replies = pipe.execute()
         fences, kept = replies[:len(flights)], replies[len(flights):]
@@ -167,11 +175,12 @@ class Claims:
     def reclaim(self, room: int) -> list[Entry]:
         """Up to `room` entries left idle past the threshold (by a dead worker), fast lane first."""
         claimed: list[Entry] = []
-        for stream, cursor in self.cursors.items():
+        for stream in self.streams.names:
             if len(claimed) >= room:
                 break
             self.cursors[stream], messages, *_ = self.client.xautoclaim(
-                stream, GROUP, self.consumer, self.reclaim_idle_ms, start_id=cursor, count=room - len(claimed))
+                stream, GROUP, self.consumer, self.reclaim_idle_ms, start_id=self.cursors.get(stream, "0-0"),
+                count=room - len(claimed))
             claimed += self._counted(stream, messages)
         return claimed
 
@@ -179,7 +188,7 @@ class Claims:
         """Every entry held by an earlier life of this worker (see the module docstring)."""
         inherited: list[Entry] = []
         worker = worker_of(self.consumer)
-        for stream in self.cursors:
+        for stream in self.streams.names:
             for consumer in self.client.xinfo_consumers(stream, GROUP):
                 name = _text(consumer["name"])
                 if name == self.consumer or worker_of(name) != worker or not consumer["pending"]:
@@ -203,7 +212,7 @@ class Claims:
     def take_back(self, held: set[tuple[str, str]], room: int) -> list[Entry]:
         """Up to `room` of our own pending entries that are not in `held` ((stream, entry id))."""
         taken: list[Entry] = []
-        for stream in self.cursors:
+        for stream in self.streams.names:
             if len(taken) >= room:
                 break
             pending = [entry for entry in self.client.xpending_range(stream, GROUP, "-", "+", len(held) + room,
@@ -226,7 +235,7 @@ class Claims:
     def sweep(self, dead_letter_ttl_s: int) -> list[str]:
         """Delete dead consumers, trim old dead letters; -> the consumers deleted."""
         deleted = []
-        for stream in self.cursors:
+        for stream in self.streams.names:
             idle = [_text(consumer["name"]) for consumer in self.client.xinfo_consumers(stream, GROUP)
                     if consumer["pending"] == 0 and consumer["idle"] > self.reclaim_idle_ms]
             alive = beating(self.client, self.keys, idle) | {self.consumer}
@@ -256,7 +265,7 @@ class Claims:
     def retire(self) -> None:
         """Leave the group on a clean exit; a consumer still holding entries stays, since
         deleting it would drop them from the pending list."""
-        for stream in self.cursors:
+        for stream in self.streams.names:
             if not self.client.xpending_range(stream, GROUP, "-", "+", 1, consumername=self.consumer):
                 self.client.xgroup_delconsumer(stream, GROUP, self.consumer)
 

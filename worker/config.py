@@ -40,6 +40,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str = msgspec.field(default_factory=default_name)
     prefix: str = "sb"
     metrics_port: int | None = None  # 0 picks a free port
+    metrics_host: str = "127.0.0.1"
     threads: int | None = None  # torch threads; None keeps torch's default
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drain_timeout: float = 30.0
@@ -94,6 +95,8 @@ WORKER_FLAGS = {
             "with a suffix new at every start (default: host-pid)",
     "prefix": "key prefix shared with the producers",
     "metrics_port": "serve /metrics (Prometheus), /healthz and /readyz on this port (0: any free port)",
+    "metrics_host": "the address the metrics port listens on: this machine only by default; 0.0.0.0 in a "
+                    "container, for Prometheus to scrape it over the network",
     "threads": "torch threads",
     "log_level": "debug, info, warning or error",
     "drain_timeout": "seconds SIGTERM lets running requests finish before handing the rest back",

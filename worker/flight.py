@@ -8,17 +8,24 @@ from dataclasses import dataclass, field
 
 from structlog.typing import BindableLogger
 
+from producer.protocol import Keys
 from worker.engine.sequence import Sequence
 from worker.intake import Entry
+
+
+def engine_id(tenant: str, request_id: str) -> str:
+    """A request's name in the engine and in the worker's tables: ids are unique per tenant only."""
+    return f"{tenant}/{request_id}"
 
 
 @dataclass(eq=False)
 class Flight:
     request_id: str
+    keys: Keys  # its tenant's: the tenant of the stream its entry came from
     entry: Entry
     attempt: int  # this worker's attempt of the entry; writes of any other are refused (fencing)
     next_seq: int  # seq of the next event; continues an earlier attempt's numbering
-    log: BindableLogger  # a structlog logger with request_id bound
+    log: BindableLogger  # a structlog logger with tenant and request_id bound
     resumed: bool = False  # an earlier attempt already emitted tokens
     deadline: float | None = None  # unix seconds; watched only until the request starts
     sequence: Sequence | None = None  # the engine's; None for a request refused before the engine
@@ -27,6 +34,10 @@ class Flight:
     pending: list[bytes] = field(default_factory=list)  # encoded events not yet written
     finished: bool = False  # its terminal event is pending or written
     dead_letter: str | None = None  # reason, recorded in the dead-letter stream at the ack
+
+    @property
+    def name(self) -> str:
+        return engine_id(self.keys.tenant, self.request_id)
 
     @property
     def fence(self) -> str:

@@ -4,7 +4,7 @@ workers from it, and whoever starts a worker (the demo, a readiness check) follo
 `state` and `phase`: while the engine loads (minutes on a machine that must first build the
 native kernels or convert the model) a thread beats "starting" with what the worker is doing;
 then the loop beats "ready" and, after SIGTERM, "draining". The loop's beat also samples the
-lane streams' backlog, pending and lag counts for the metrics.
+lane streams' backlog, pending and lag counts (each lane's summed over tenants) for the metrics.
 
 The heartbeat also names the worker's consumer in the group, which is new with every process
 start (`new_consumer`): the worker's name and a random suffix. A worker restarted under the same
@@ -27,6 +27,7 @@ from producer.protocol import GROUP, LANES, Keys, WorkerState
 from worker.config import WorkerConfig
 from worker.engine.engine import Engine
 from worker.metrics import Metrics, kv_usage
+from worker.tenants import LaneStreams
 
 
 def new_consumer(name: str) -> str:
@@ -85,9 +86,9 @@ class WorkerStats(msgspec.Struct):
 
 
 class Heartbeat:
-    def __init__(self, client: redis.Redis, keys: Keys, config: WorkerConfig, metrics: Metrics,
+    def __init__(self, client: redis.Redis, keys: Keys, streams: LaneStreams, config: WorkerConfig, metrics: Metrics,
                  consumer: str) -> None:
-        self.client, self.keys, self.config, self.metrics = client, keys, config, metrics
+        self.client, self.keys, self.streams, self.config, self.metrics = client, keys, streams, config, metrics
         self.consumer = consumer
         self.key = keys.worker(config.name)
         self.started_at = time.time()
@@ -103,19 +104,24 @@ class Heartbeat:
             tokens_per_s=round((generated - generated_then) / max(now - then, 1e-9), 1))
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.key, msgspec.json.encode(stats), px=self.config.heartbeat_ttl_ms)
-        for lane in LANES:
-            pipe.xlen(self.keys.requests(lane))
-            pipe.xpending(self.keys.requests(lane), GROUP)
+        names = self.streams.names
+        for name in names:
+            pipe.xlen(name)
+            pipe.xpending(name, GROUP)
         written, *queues = pipe.execute(raise_on_error=False)  # a lane stream deleted under us reads as empty
         if isinstance(written, Exception):
             raise written
-        backlog = {lane: length if isinstance(length, int) else 0 for lane, length in zip(LANES, queues[::2])}
-        pending = {lane: summary["pending"] if isinstance(summary, dict) else 0
-                   for lane, summary in zip(LANES, queues[1::2])}
-        # Not yet delivered to any worker: exact, since an acked entry is also XDELed (intake.py), and
-        # read at no cost. (XINFO GROUPS' `lag` needs Redis 7 and turns null once an entry not yet
-        # delivered is deleted or trimmed.) At least 0: an entry XDELed while pending counts only there.
-        lag = {lane: max(0, backlog[lane] - pending[lane]) for lane in LANES}
+        backlog, pending, lag = dict.fromkeys(LANES, 0), dict.fromkeys(LANES, 0), dict.fromkeys(LANES, 0)
+        for name, length, summary in zip(names, queues[::2], queues[1::2]):
+            lane = self.streams[name].lane
+            length = length if isinstance(length, int) else 0
+            held = summary["pending"] if isinstance(summary, dict) else 0
+            backlog[lane] += length
+            pending[lane] += held
+            # Not yet delivered to any worker: exact, since an acked entry is also XDELed (intake.py), and
+            # read at no cost. (XINFO GROUPS' `lag` needs Redis 7 and turns null once an entry not yet
+            # delivered is deleted or trimmed.) At least 0: an entry XDELed while pending counts only there.
+            lag[lane] += max(0, length - held)
         self.metrics.observe_queue(backlog, pending, lag)
         return stats
 

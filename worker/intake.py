@@ -17,10 +17,13 @@ from typing import Any
 import msgspec
 import redis
 
-from producer.protocol import FIELD, GROUP, LANES, REQUEST_ID, Keys, Request, decode_request, ensure_group
+from producer.protocol import (FIELD, GROUP, LANES, MAX_ENTRY_BYTES, REQUEST_ID, Keys, Request, decode_request,
+                               ensure_group)
 from worker.engine.engine import Engine
+from worker.tenants import LaneStreams
 
 DEAD_LETTERS_MAXLEN = 100_000  # approximate: a flood of garbage must not grow Redis without bound
+DEAD_LETTER_ENTRY_BYTES = 4096  # of each dead entry, kept for whoever looks into why it died
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ def decode_entry(entry: Entry) -> Request | Rejected:
     data = entry.fields.get(FIELD)
     if data is None:
         return Rejected(f"entry has no {FIELD.decode()!r} field", None)
+    if len(data) > MAX_ENTRY_BYTES:  # refused unread: its id, if usable, is found without decoding the rest
+        return Rejected(f"invalid request: {len(data)} bytes, more than {MAX_ENTRY_BYTES}", usable_id(data))
     try:
         return decode_request(data)
     except (msgspec.DecodeError, RecursionError) as error:  # ValidationError included: types, ranges, id, lane
@@ -94,31 +99,34 @@ def intake_room(engine: Engine, ahead: int) -> int:
 
 
 class Intake:
-    def __init__(self, client: redis.Redis, blocking: redis.Redis, keys: Keys, consumer: str,
+    def __init__(self, client: redis.Redis, blocking: redis.Redis, keys: Keys, streams: LaneStreams, consumer: str,
                  replay_ttl: int) -> None:
         """`blocking` is a connection whose reply timeout allows for the BLOCK reads' wait."""
         self.client, self.blocking, self.keys, self.consumer = client, blocking, keys, consumer
-        self.replay_ttl = replay_ttl
-        self.streams = [keys.requests(lane) for lane in LANES]  # fast lane first
+        self.streams, self.replay_ttl = streams, replay_ttl
 
-    def ensure_groups(self) -> None:
-        for stream in self.streams:
-            ensure_group(self.client, stream)
+    def ensure_groups(self, names: Iterable[str] | None = None) -> None:
+        """The workers' group on these lane streams (by default every one served)."""
+        for name in self.streams.names if names is None else names:
+            ensure_group(self.client, name)
 
     def read(self, room: int, block_ms: int | None = None) -> list[Entry]:
-        """About `room` new entries, fast lane first. With `block_ms`, wait that long for the
-        first one (only when the engine is idle: the wait would stall running requests); COUNT
-        applies per stream, so that read may take up to `room` of each lane."""
+        """About `room` new entries, fast lanes first: one read per lane over every tenant's stream
+        of it, each asked for its share of the room. With `block_ms`, one read of every stream that
+        waits that long for the first entry (only when the engine is idle: the wait would stall
+        running requests); it may take up to a share of each stream."""
         if room <= 0:
             return []
         if block_ms is not None:
-            return self._entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(self.streams, ">"),
-                                                          count=room, block=block_ms))
+            names = self.streams.names
+            return self._entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
+                                                          count=_share(room, len(names)), block=block_ms))
         entries: list[Entry] = []
-        for stream in self.streams:
+        for lane in LANES:
+            names = self.streams.of_lane(lane)
             if len(entries) < room:
-                entries += self._entries(self.client.xreadgroup(GROUP, self.consumer, {stream: ">"},
-                                                                count=room - len(entries)))
+                entries += self._entries(self.client.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
+                                                                count=_share(room - len(entries), len(names))))
         return entries
 
     @staticmethod
@@ -127,22 +135,31 @@ class Intake:
                 for stream, messages in reply or [] for entry_id, fields in messages]
 
     def ack(self, entries: Iterable[Entry], dead_letters: Iterable[tuple[Entry, str, str | None]] = (),
-            claimed: Iterable[str] = ()) -> None:
+            fences: Iterable[str] = ()) -> None:
         """Done with these entries and with the dead letters (entry, reason, request id), which
         are recorded first: XACK and XDEL each, so that a lane stream's length is its backlog.
-        `claimed`: the ids among them that this worker claimed, whose attempt keys (kept while
-        their entries were pending) now get the replay stream's TTL. One MULTI: a dead letter
-        is never lost to an ack cut short, nor recorded twice."""
+        `fences`: the attempt keys of the requests among them that this worker claimed (kept while
+        their entries were pending), which now get the replay stream's TTL. One MULTI: a dead
+        letter is never lost to an ack cut short, nor recorded twice."""
         pipe = self.client.pipeline(transaction=True)
         entries = list(entries)
         for entry, reason, request_id in dead_letters:
-            pipe.xadd(self.keys.dead_letters, {"id": request_id or "", "reason": reason, "entry": entry.payload,
-                                               "stream": entry.stream, "entry_id": entry.entry_id},
+            payload = entry.payload
+            pipe.xadd(self.keys.dead_letters, {"tenant": self.streams[entry.stream].tenant, "id": request_id or "",
+                                               "reason": reason[:DEAD_LETTER_ENTRY_BYTES],
+                                               "entry": payload[:DEAD_LETTER_ENTRY_BYTES],
+                                               "entry_bytes": len(payload), "stream": entry.stream,
+                                               "entry_id": entry.entry_id},
                       maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
             entries.append(entry)
         for entry in entries:
             pipe.xack(entry.stream, GROUP, entry.entry_id)
             pipe.xdel(entry.stream, entry.entry_id)
-        for request_id in claimed:
-            pipe.expire(self.keys.attempt(request_id), self.replay_ttl)
+        for fence in fences:
+            pipe.expire(fence, self.replay_ttl)
         pipe.execute()
+
+
+def _share(room: int, streams: int) -> int:
+    """COUNT for each of `streams` read at once, so that together they bring about `room`."""
+    return max(1, -(-room // max(streams, 1)))

@@ -62,15 +62,25 @@ class Health:
     # turn that succeeds has reached Redis.
     redis_error: str | None = None
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # WorkerConfig.stall_timeout
+    failing_since: float | None = None  # time.monotonic() of the first of the failed turns in a row, if failing
 
     def stall(self) -> str | None:
-        """Why the loop counts as stuck, if it does."""
+        """Why the loop counts as stuck, if it does (the worker then ends itself, step_watch.py)."""
         if self.last_turn is None:
             return None  # not started: the engine is loading
         since = time.monotonic() - self.last_turn
         if since <= self.stall_timeout:
             return None
         return f"the loop has not completed a turn for {since:.0f} s (limit {self.stall_timeout:.0f} s)"
+
+    def failing(self) -> str | None:
+        """Why the worker serves nobody though its loop turns, if so: every turn has failed for longer
+        than the stall timeout (a lane stream overwritten with another type, say). Reported, so that
+        an orchestrator restarts it; not a reason to end itself, as Redis being away for a while is."""
+        if self.failing_since is None or time.monotonic() - self.failing_since <= self.stall_timeout:
+            return None
+        return (f"every turn of the loop has failed for {time.monotonic() - self.failing_since:.0f} s "
+                f"(limit {self.stall_timeout:.0f} s): {self.redis_error or 'see the log'}")
 
     def unready(self) -> str | None:
         """Why the worker is not ready, if it is not."""
@@ -80,10 +90,10 @@ class Health:
             return "draining: finishing the requests it holds, taking no new ones"
         if self.redis_error is not None:
             return f"Redis unreachable: {self.redis_error}"
-        return self.stall()
+        return self.stall() or self.failing()
 
     def liveness(self) -> tuple[HTTPStatus, dict]:
-        reason = self.stall()
+        reason = self.stall() or self.failing()
         if reason is not None:
             return HTTPStatus.SERVICE_UNAVAILABLE, {"alive": False, "state": self.state, "reason": reason}
         return HTTPStatus.OK, {"alive": True, "state": self.state}
@@ -95,9 +105,36 @@ class Health:
         return HTTPStatus.OK, {"ready": True, "state": self.state}
 
 
+MAX_CONNECTIONS = 32  # served at once; more are closed at once (a scraper and a probe need two)
+READ_TIMEOUT_S = 5.0  # a connection that sends nothing (or too slowly) for this long is closed
+
+
 class QuietHandler(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_S  # the socket's: an idle connection no longer holds its thread for ever
+
     def log_message(self, format: str, *args: object) -> None:
         """No line per request: an orchestrator probes every few seconds, Prometheus scrapes as often."""
+
+
+class BoundedServer(ThreadingWSGIServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them: the red team's 800 idle
+    connections made 804 threads, and at the file limit every turn of the loop failed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class Metrics:
@@ -148,9 +185,9 @@ class Metrics:
         self.failed_steps = counter("engine_failed_steps", "Engine steps that raised (the engine recovered).")
         self._engine_totals: dict[Counter, int] = {}
 
-    def serve(self, port: int) -> WSGIServer:
-        """Serve /metrics, /healthz and /readyz in a daemon thread (a thread per request); port 0
-        picks a free one (`server.server_port`)."""
+    def serve(self, host: str, port: int) -> WSGIServer:
+        """Serve /metrics, /healthz and /readyz on `host` in a daemon thread (a thread per
+        connection, BoundedServer); port 0 picks a free one (`server.server_port`)."""
         metrics_app = make_wsgi_app(self.registry)
         checks = {"/healthz": self.health.liveness, "/readyz": self.health.readiness}
 
@@ -162,7 +199,7 @@ class Metrics:
             start_response(f"{status.value} {status.phrase}", [("Content-Type", "application/json")])
             return [json.dumps(body).encode()]
 
-        server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=QuietHandler)
+        server = make_server(host, port, app, BoundedServer, handler_class=QuietHandler)
         threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
         return server
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import redis
 
-from producer.protocol import FIELD, TERMINAL, DoneEvent, ErrorEvent, Event, Keys, TokenEvent, encode
+from producer.protocol import FIELD, TERMINAL, DoneEvent, ErrorEvent, Event, TokenEvent, encode
 from worker.engine.outputs import RequestOutput
 from worker.flight import Flight
 
@@ -41,8 +41,8 @@ return 1
 
 
 class Outbox:
-    def __init__(self, client: redis.Redis, keys: Keys, replay_maxlen: int, replay_ttl: int) -> None:
-        self.client, self.keys = client, keys
+    def __init__(self, client: redis.Redis, replay_maxlen: int, replay_ttl: int) -> None:
+        self.client = client
         self.replay_maxlen, self.replay_ttl = replay_maxlen, replay_ttl
         self.sha = client.script_load(FENCED_WRITE)
 
@@ -84,8 +84,8 @@ class Outbox:
     def _write(self, batch: list[Flight]) -> list[int]:
         pipe = self.client.pipeline(transaction=True)
         for flight in batch:
-            request_id = flight.request_id
-            pipe.evalsha(self.sha, 3, self.keys.attempt(request_id), self.keys.replay(request_id),
-                         self.keys.submitted(request_id), flight.fence, self.keys.tokens(request_id), FIELD,
+            request_id, keys = flight.request_id, flight.keys
+            pipe.evalsha(self.sha, 3, keys.attempt(request_id), keys.replay(request_id),
+                         keys.submitted(request_id), flight.fence, keys.tokens(request_id), FIELD,
                          self.replay_maxlen, self.replay_ttl, int(flight.finished), *flight.pending)
         return pipe.execute()

@@ -1,11 +1,11 @@
 """The worker loop: intake -> engine.step() -> outbox, with housekeeping every heartbeat.
 
 One `poll()` is one turn:
-  1. housekeeping when due: refresh our entries (dropping those another worker took), sweep
-     the cancel keys, take back our own entries that we dropped, reclaim idle entries of dead
-     workers, apply the pinned prefixes, beat; now and then delete dead consumers and trim old
-     dead letters;
-  2. cancellations nudged on the cancel channel;
+  1. housekeeping when due: read the tenant registry (serving new tenants' streams), refresh
+     our entries (dropping those another worker took), sweep the cancel keys, take back our own
+     entries that we dropped, reclaim idle entries of dead workers, apply the pinned prefixes,
+     beat; now and then delete dead consumers and trim old dead letters;
+  2. cancellations nudged on the tenants' cancel channels (each checked against its key);
   3. intake, as much as the backpressure rule allows (a blocking read only when idle);
   4. deadlines of requests not started yet, then one engine step;
   5. the outbox writes the turn's events in one round trip; finished entries are acked.
@@ -31,20 +31,21 @@ import msgspec
 import redis
 import structlog
 
-from producer.protocol import (LANES, ErrorEvent, Keys, Request, connection_options, decode_request, encode,
-                               is_missing_group, read_password)
+from producer.protocol import (DEFAULT_TENANT, LANES, ErrorEvent, Keys, Request, connection_options, decode_request,
+                               encode, is_missing_group, is_tls_refusal, read_password)
 from worker.cancels import Cancels
 from worker.claims import Claim, Claims
 from worker.config import WorkerConfig
 from worker.engine.engine import Engine
 from worker.engine.inputs import PromptError
 from worker.engine.sequence import FinishReason
-from worker.flight import Flight
+from worker.flight import Flight, engine_id
 from worker.heartbeat import Heartbeat, StartupBeat, new_consumer
 from worker.intake import Entry, Intake, Rejected, decode_entry, engine_prompt, intake_room
 from worker.metrics import Health, Metrics
 from worker.outbox import Outbox
 from worker.step_watch import StepWatch
+from worker.tenants import LaneStreams, read_registry
 
 TURN_RETRY_S, MAX_TURN_RETRY_S = 0.1, 5.0  # the wait after a failed turn, doubling while turns keep failing
 SWEEP_BEATS = 30  # housekeeping rounds between sweeps of dead consumers and old dead letters
@@ -67,8 +68,10 @@ class Worker:
         self.client = redis.Redis.from_url(config.redis_url, **connection_options(password=password))
         self.health = Health(stall_timeout=config.stall_timeout)
         self.metrics = Metrics(self.health)
-        self.metrics_server = self.metrics.serve(config.metrics_port) if config.metrics_port is not None else None
-        self.heartbeat = Heartbeat(self.client, self.keys, config, self.metrics, self.consumer)
+        self.metrics_server = (self.metrics.serve(config.metrics_host, config.metrics_port)
+                               if config.metrics_port is not None else None)
+        self.streams = LaneStreams(self.keys)
+        self.heartbeat = Heartbeat(self.client, self.keys, self.streams, config, self.metrics, self.consumer)
         self.log = structlog.get_logger("worker").bind(worker=config.name, consumer=self.consumer)
         if engine is None:
             with StartupBeat(self.heartbeat, self.log) as on_phase:
@@ -78,21 +81,23 @@ class Worker:
             raise ValueError(f"replay_maxlen ({config.replay_maxlen}) must exceed the model length "
                              f"({self.engine.max_model_len}): every event of a request must stay replayable")
         self.wait_for_redis()
+        self.refuse_v1_layout()
         blocking = redis.Redis.from_url(config.redis_url, **connection_options(config.block_ms, password))
-        self.intake = Intake(self.client, blocking, self.keys, self.consumer, config.replay_ttl)
-        self.claims = Claims(self.client, self.keys, self.consumer, config.replay_ttl, config.reclaim_idle_ms)
-        self.outbox = Outbox(self.client, self.keys, config.replay_maxlen, config.replay_ttl)
-        self.cancels = Cancels(self.client, self.keys)
+        self.intake = Intake(self.client, blocking, self.keys, self.streams, self.consumer, config.replay_ttl)
+        self.claims = Claims(self.client, self.keys, self.streams, self.consumer, config.replay_ttl,
+                             config.reclaim_idle_ms)
+        self.outbox = Outbox(self.client, config.replay_maxlen, config.replay_ttl)
+        self.cancels = Cancels(self.client)
         self.step_watch = StepWatch(config.heartbeat_interval, self.keep_alive, self.health.stall, self.exit_stalled,
                                     self.log)
-        self.intake.ensure_groups()
-        self.lanes = {self.keys.requests(lane): lane for lane in LANES}
+        self.registry_problems: list[str] = []  # what was wrong with the registry last time (said when it changes)
+        self.serve_registered()
         # Pinned prefixes, by name: this worker's own (--pin-prefix) and those published in Redis.
         self.own_pins = {f"--pin-prefix:{i + 1}": encode(Request(prompt=text))
                          for i, text in enumerate(config.pin_prefix)}
         self.pins_seen: dict[str, bytes] = {}  # name -> the value applied (or refused) last
         self.pins_unreadable = False  # Keys.pins is not a hash (said once)
-        self.flights: dict[str, Flight] = {}
+        self.flights: dict[str, Flight] = {}  # by Flight.name
         self.next_housekeeping = 0.0
         self.housekeeping_rounds = 0
         self.inherited = False  # the entries of this worker's earlier lives, taken at the first housekeeping
@@ -106,7 +111,7 @@ class Worker:
     def wait_for_redis(self) -> None:
         """A Redis that is not up yet, or restarting, is waited for (saying so once), not a reason
         to exit: a worker started with or before its Redis comes up when it does. A refused
-        password is no such wait: it raises."""
+        password or TLS handshake is no such wait: it raises."""
         for failures in itertools.count(1):
             try:
                 self.client.ping()
@@ -114,9 +119,40 @@ class Worker:
             except redis.AuthenticationError:
                 raise
             except (redis.ConnectionError, redis.TimeoutError) as error:
+                if is_tls_refusal(error):
+                    raise
                 if failures == 1:
                     self.log.warning("worker.waiting_for_redis", error=str(error))
                 time.sleep(retry_wait_s(failures))
+
+    def refuse_v1_layout(self) -> None:
+        """Layout v1's lane streams (before tenants) must be empty: this worker would never read
+        them. Raises ValueError, with how to drain them, if they hold entries."""
+        pipe = self.client.pipeline(transaction=False)
+        for lane in LANES:
+            pipe.xlen(self.keys.v1_requests(lane))
+        waiting = {self.keys.v1_requests(lane): length for lane, length in zip(LANES, pipe.execute()) if length}
+        if waiting:
+            raise ValueError(f"this Redis holds {sum(waiting.values())} requests in the streams of the layout before "
+                             f"tenants ({', '.join(waiting)}): drain them with the previous release's workers "
+                             "(or delete those streams) before starting this one")
+
+    def serve_registered(self) -> None:
+        """Serve every tenant in the registry (and the default one); a new one's streams get the
+        group and its cancel channel a subscription. Bad registry entries are logged, not served."""
+        try:
+            registered, problems = read_registry(self.client, self.keys)
+        except redis.ResponseError as error:  # WRONGTYPE: someone wrote over the key
+            registered, problems = {}, [str(error)]
+        if problems != self.registry_problems:
+            if problems:
+                self.log.warning("tenants.unreadable", key=self.keys.tenants, problems=problems)
+            self.registry_problems = problems
+        new = self.streams.serve([DEFAULT_TENANT, *registered])
+        if new:
+            self.intake.ensure_groups(new)
+            self.log.info("tenants.serving", tenants=self.streams.tenants)
+        self.cancels.follow([stream.keys for stream in self.streams.by_name.values()])
 
     # --- the loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -148,7 +184,7 @@ class Worker:
         now = self.health.last_turn = time.monotonic()
         if not failed:
             self.failed_turns = 0
-            self.health.redis_error = None
+            self.health.redis_error = self.health.failing_since = None
         elif self.drain_until is not None and now >= self.drain_until:
             # SIGTERM while turns fail (Redis gone): nothing can be handed back, and what this worker
             # held stays pending for a reclaim; the drain ends on time all the same
@@ -156,6 +192,7 @@ class Worker:
             self.done = True
         else:
             self.failed_turns += 1
+            self.health.failing_since = self.health.failing_since or now
             wait = retry_wait_s(self.failed_turns)
             time.sleep(wait if self.drain_until is None else min(wait, self.drain_until - now))
 
@@ -191,7 +228,8 @@ class Worker:
             self.log.info("worker.draining", in_flight=len(self.flights), timeout_s=self.config.drain_timeout)
         if time.monotonic() >= self.next_housekeeping:
             self.housekeeping()
-        self.cancel(self.cancels.nudged())
+        nudged = [self.flights[name] for name in self.cancels.nudged() if name in self.flights]
+        self.cancel(self.cancels.swept(nudged))
         if self.drain_until is None:
             block_ms = None if self.engine.has_unfinished else self.config.block_ms
             self.take(self.intake.read(intake_room(self.engine, self.config.intake_ahead), block_ms))
@@ -205,9 +243,10 @@ class Worker:
 
     def housekeeping(self) -> None:
         self.next_housekeeping = time.monotonic() + self.config.heartbeat_interval
+        self.serve_registered()
         for flight in self.claims.refresh(list(self.flights.values())):
             self.drop(flight, "claimed by another worker")
-        self.cancel(self.cancels.swept([request_id for request_id, flight in self.flights.items() if flight.sequence]))
+        self.cancel(self.cancels.swept([flight for flight in self.flights.values() if flight.sequence]))
         if self.drain_until is None:
             if not self.inherited:
                 inherited = self.claims.inherit()
@@ -287,41 +326,51 @@ class Worker:
 
     # --- intake ------------------------------------------------------------------------
     def take(self, entries: list[Entry]) -> None:
-        accepted: dict[str, tuple[Entry, Request | Rejected]] = {}
+        """Claim and start what these entries carry; each one's tenant is its stream's."""
+        accepted: dict[str, tuple[str, Entry, Request | Rejected]] = {}  # by engine id
         dead: list[tuple[Entry, str, str | None]] = []
         for entry in entries:
             request = decode_entry(entry)
             request_id = request.id if isinstance(request, Request) else request.request_id
-            held = self.flights.get(request_id)
             if request_id is None:
                 dead.append((entry, request.reason, None))
-            elif held is not None and (held.entry.stream, held.entry.entry_id) == (entry.stream, entry.entry_id):
+                continue
+            name = engine_id(self.streams[entry.stream].tenant, request_id)
+            held = self.flights.get(name)
+            if held is not None and (held.entry.stream, held.entry.entry_id) == (entry.stream, entry.entry_id):
                 continue  # our own entry, reclaimed by ourselves after a slow turn: still ours
-            elif held is not None or request_id in accepted:
+            elif held is not None or name in accepted:
                 dead.append((entry, "duplicate: a request with this id is in progress", request_id))
-            elif request_id in self.engine.requests:
+            elif name in self.engine.requests:
                 continue  # a dropped attempt has yet to leave the engine: left pending for a later reclaim
             else:
-                accepted[request_id] = (entry, request)
+                accepted[name] = (request_id, entry, request)
         if dead:
             self.reject(dead)
-        claimed = {request_id: (entry, self.lanes[entry.stream]) for request_id, (entry, _) in accepted.items()}
-        for (request_id, (entry, request)), claim in zip(accepted.items(), self.claims.claim(claimed)):
-            if claim.problem:
-                self.claims.reject(request_id, claimed[request_id][1], claim.problem)  # ends its consumers' streams
-                self.reject([(entry, claim.problem, request_id)], claimed=[request_id])
+        claims = self.claims.claim([(request_id, entry) for request_id, entry, _ in accepted.values()])
+        for (request_id, entry, request), claim in zip(accepted.values(), claims):
+            stream = self.streams[entry.stream]
+            fence = stream.keys.attempt(request_id)
+            if claim.taken and claim.terminal is not None:  # a repeat of a finished request: its result stands
+                self.intake.ack([entry])
+            elif claim.taken:  # another entry owns the id: refused here, the owner untouched
+                self.reject([(entry, "duplicate: this id belongs to another entry of the tenant", request_id)])
+            elif claim.problem:
+                self.claims.reject(stream.keys, request_id, stream.lane, claim.problem)  # ends its consumers' streams
+                self.reject([(entry, claim.problem, request_id)], fences=[fence])
             elif isinstance(claim.terminal, ErrorEvent):  # refused on an earlier attempt, whose ack was lost
-                self.reject([(entry, claim.terminal.message, request_id)], claimed=[request_id])
+                self.reject([(entry, claim.terminal.message, request_id)], fences=[fence])
             elif claim.terminal is not None:  # finished on an earlier attempt, whose ack was lost
-                self.intake.ack([entry], claimed=[request_id])
+                self.intake.ack([entry], fences=[fence])
             else:
                 self.start(request_id, entry, request, claim)
 
     def start(self, request_id: str, entry: Entry, request: Request | Rejected, claim: Claim) -> None:
+        stream = self.streams[entry.stream]
         emitted = claim.emitted_token_ids
-        flight = Flight(request_id, entry, claim.attempt, next_seq=len(claim.events), resumed=bool(emitted),
-                        log=self.log.bind(request_id=request_id))
-        self.flights[request_id] = flight
+        flight = Flight(request_id, stream.keys, entry, claim.attempt, next_seq=len(claim.events),
+                        resumed=bool(emitted), log=self.log.bind(tenant=stream.tenant, request_id=request_id))
+        self.flights[flight.name] = flight
         if isinstance(request, Rejected):
             self.refuse(flight, "invalid_request", request.reason)
         elif entry.deliveries > self.config.max_deliveries:
@@ -329,8 +378,8 @@ class Worker:
         else:
             try:
                 flight.sequence = self.engine.add_request(
-                    request_id, **engine_prompt(request), params=request.params, lane=self.lanes[entry.stream],
-                    emitted_token_ids=emitted)
+                    flight.name, **engine_prompt(request), params=request.params, lane=stream.lane,
+                    emitted_token_ids=emitted, cache_salt=stream.tenant.encode())
             except PromptError as error:
                 self.refuse(flight, "invalid_request", str(error))
                 return
@@ -341,7 +390,7 @@ class Worker:
             flight.log.info("request.started", attempt=claim.attempt, lane=flight.sequence.lane,
                             resumed_tokens=len(emitted))
             if claim.cancelled:
-                self.engine.abort(request_id, FinishReason.CANCELLED)
+                self.engine.abort(flight.name, FinishReason.CANCELLED)
             elif request.deadline is not None and not flight.started:
                 flight.deadline = request.deadline
 
@@ -351,19 +400,20 @@ class Worker:
         self.outbox.add_error(flight, code, message)
         flight.dead_letter = message
 
-    def reject(self, dead: list[tuple[Entry, str, str | None]], claimed: list[str] = ()) -> None:
-        """Dead-letter entries that get no event here (no usable id, no way to number one, or their
-        error event written already); `claimed`: the ids among them this worker claimed."""
+    def reject(self, dead: list[tuple[Entry, str, str | None]], fences: list[str] = ()) -> None:
+        """Dead-letter entries that get no event here (no usable id, no way to number one, their id
+        another entry's, or their error event written already); `fences`: the attempt keys of the
+        requests among them that this worker claimed."""
         for entry, reason, request_id in dead:
-            self.log.warning("entry.rejected", entry_id=entry.entry_id, request_id=request_id, reason=reason)
-        self.intake.ack((), dead, claimed)
+            self.log.warning("entry.rejected", tenant=self.streams[entry.stream].tenant, entry_id=entry.entry_id,
+                             request_id=request_id, reason=reason)
+        self.intake.ack((), dead, fences)
         self.metrics.dead_letters.inc(len(dead))
 
     # --- cancellation (see cancels.py) and deadlines --------------------------------------
-    def cancel(self, request_ids: set[str] | list[str]) -> None:
-        for request_id in request_ids:
-            flight = self.flights.get(request_id)
-            if flight is not None and self.engine.abort(request_id, FinishReason.CANCELLED):
+    def cancel(self, flights: list[Flight]) -> None:
+        for flight in flights:
+            if self.engine.abort(flight.name, FinishReason.CANCELLED):
                 flight.log.info("request.cancelling")
 
     def expire_deadlines(self) -> None:
@@ -371,7 +421,7 @@ class Worker:
         for flight in self.flights.values():
             if flight.deadline is not None and (flight.started or now >= flight.deadline):
                 if not flight.started:
-                    self.engine.abort(flight.request_id, FinishReason.DEADLINE)
+                    self.engine.abort(flight.name, FinishReason.DEADLINE)
                 flight.deadline = None  # started in time, or expired: no longer watched
 
     # --- step and outbox ---------------------------------------------------------------
@@ -399,26 +449,26 @@ class Worker:
             self.outbox.add_output(flight, output)
 
     def publish(self) -> None:
-        done, dead, claimed = [], [], []
+        done, dead, fences = [], [], []
         for flight, written in self.outbox.flush(list(self.flights.values())):
             if not written:
                 self.drop(flight, "claimed by another worker")
             elif flight.finished:
-                del self.flights[flight.request_id]
-                claimed.append(flight.request_id)
+                del self.flights[flight.name]
+                fences.append(flight.keys.attempt(flight.request_id))
                 if flight.dead_letter:
                     dead.append((flight.entry, flight.dead_letter, flight.request_id))
                 else:
                     done.append(flight.entry)
-        if claimed:
-            self.intake.ack(done, dead, claimed)
+        if fences:
+            self.intake.ack(done, dead, fences)
             self.metrics.dead_letters.inc(len(dead))
 
     def drop(self, flight: Flight, reason: str) -> None:
         """Forget a request without acking it: its entry stays pending for a reclaim."""
-        del self.flights[flight.request_id]
+        del self.flights[flight.name]
         if flight.sequence is not None:
-            self.engine.abort(flight.request_id)
+            self.engine.abort(flight.name)
         flight.log.warning("request.dropped", reason=reason)
 
     # --- shutdown ----------------------------------------------------------------------

@@ -6,8 +6,8 @@ from worker.engine.blocks import BlockPool
 from worker.engine.sequence import Sequence
 
 
-def make_seq(tokens, request_id="r"):
-    return Sequence(request_id, list(tokens), SamplingParams(max_tokens=8))
+def make_seq(tokens, request_id="r", salt=b""):
+    return Sequence(request_id, list(tokens), SamplingParams(max_tokens=8), cache_salt=salt)
 
 
 def compute(pool, seq, num_tokens):
@@ -64,6 +64,26 @@ def test_shared_prefix_blocks_are_freed_only_when_the_last_user_leaves():
     pool.free_sequence(second)
     stats = pool.stats()
     assert stats.used == 0 and stats.cached == 2 and stats.free + stats.cached == 16
+
+
+def test_blocks_are_shared_within_a_salt_only():
+    """The red team's prefix probe: another tenant's guess hit a cached secret (32 cached tokens
+    for the right guess, 16 for the others). With the tenant as the salt, a guess hits nothing."""
+    pool = BlockPool(16, 16)
+    secret = list(range(100, 133))  # two full blocks and a token
+    admit(pool, make_seq(secret, "a1", salt=b"team-a"))
+    assert admit(pool, make_seq(secret, "b1", salt=b"team-b")) == 0
+    assert admit(pool, make_seq(secret, "a2", salt=b"team-a")) == 2
+    assert admit(pool, make_seq(secret, "none")) == 0, "unsalted is a namespace of its own"
+
+
+def test_a_pinned_prefix_is_shared_by_every_salt_and_what_follows_it_is_not():
+    pool = BlockPool(16, 16)
+    system, question = list(range(16)), list(range(200, 216))
+    pool.pin_prefix(system)
+    admit(pool, make_seq(system + question + [1], "a1", salt=b"team-a"))
+    assert admit(pool, make_seq(system + question + [1], "b1", salt=b"team-b")) == 1, "the pinned block only"
+    assert admit(pool, make_seq(system + question + [1], "a2", salt=b"team-a")) == 2
 
 
 def test_last_prompt_token_is_always_recomputed():

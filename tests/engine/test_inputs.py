@@ -159,3 +159,51 @@ def test_template_errors_become_prompt_errors():
 
     with pytest.raises(PromptError, match="chat template rejected the messages: Conversation roles"):
         encode_prompt(Picky(), messages=[{"role": "user", "content": "hi"}], max_prompt_tokens=100)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the characters it is given to encode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.chars = tokenizer, 0
+        self.chat_template = tokenizer.chat_template
+
+    def __len__(self):
+        return len(self.tokenizer)
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def encode(self, text, **kwargs):
+        self.chars += len(text)
+        return self.tokenizer.encode(text, **kwargs)
+
+
+def test_a_prompt_far_past_the_limit_is_refused_from_its_head_alone(tokenizer):
+    """The red team's 8 MB prompt stalled every request on the worker for 5.7 s while it was
+    tokenized whole; now only a head of a few characters a token of the limit is."""
+    text = "The quick brown fox jumps over the lazy dog. " * 20_000  # 900,000 characters
+    counting = CountingTokenizer(tokenizer)
+    with pytest.raises(PromptError, match=r"prompt is more than \d+ tokens, longer than the limit of 100 tokens"):
+        encode_prompt(counting, prompt=text, max_prompt_tokens=100)
+    assert counting.chars <= 8 * 108
+    counting.chars = 0
+    with pytest.raises(PromptError, match="longer than the limit of 100 tokens"):
+        encode_prompt(counting, messages=[{"role": "user", "content": text}], max_prompt_tokens=100)
+    assert counting.chars <= 8 * 108
+
+
+def test_left_truncation_of_a_long_prompt_keeps_the_tokens_the_whole_text_ends_with(tokenizer):
+    text = "".join(f"word{i} and then some more, " for i in range(20_000))
+    counting = CountingTokenizer(tokenizer)
+    ids = encode_prompt(counting, prompt=text, max_prompt_tokens=200, truncate="left")
+    assert ids == tokenizer.encode(text)[-200:] and counting.chars <= 8 * 208
+
+
+def test_a_long_prompt_of_few_tokens_is_still_served_whole(tokenizer):
+    """Long past the head's window in characters yet within the limit in tokens (runs of dashes
+    are a token of 64): the head alone proves nothing, so the whole text is tokenized and served."""
+    text = "-" * 2000
+    whole = tokenizer.encode(text)
+    assert len(text) > 8 * (len(whole) + 8 + 8)
+    assert encode_prompt(tokenizer, prompt=text, max_prompt_tokens=len(whole) + 8) == whole

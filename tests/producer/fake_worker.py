@@ -57,9 +57,9 @@ class FakeWorker:
             ensure_group(self.redis, self.keys.requests(lane))
 
     def take(self, block_ms: int | None = None, count: int = 10) -> list[Taken]:
-        streams = {self.keys.requests(lane): ">" for lane in LANES}
-        reply = self.redis.xreadgroup(GROUP, self.name, streams, count=count, block=block_ms)
-        return [Taken(stream.decode().rsplit(":", 1)[1], entry_id, decode_request(fields[FIELD]), time.time())
+        lanes = {self.keys.requests(lane): lane for lane in LANES}
+        reply = self.redis.xreadgroup(GROUP, self.name, dict.fromkeys(lanes, ">"), count=count, block=block_ms)
+        return [Taken(lanes[stream.decode()], entry_id, decode_request(fields[FIELD]), time.time())
                 for stream, entries in reply for entry_id, fields in entries]
 
     def emit(self, request_id: str, *events: Event, replay: bool = True, publish: bool = True) -> None:

@@ -12,7 +12,7 @@ import redis
 
 from producer import Producer, QueueFull, UnknownRequest
 from producer.errors import EventsLost
-from producer.protocol import Keys
+from producer.protocol import FIELD, Keys, TokenEvent, decode_request, encode
 from tests.producer.fake_worker import FakeWorker, done, error, running, token
 
 KEYS = Keys("sb")
@@ -90,6 +90,40 @@ def test_a_lost_final_publish_is_found_by_polling_the_replay_stream(redis_url, w
     assert next(stream).seq == 0
     worker.emit("quiet", done(1), publish=False)
     assert seqs_soon(stream, within=2) == [1]  # within a few poll intervals, not the timeout
+
+
+def test_a_forged_publish_on_the_channel_is_never_taken_for_an_event(producer, worker, redis_url):
+    """The red team's forgery: one PUBLISH on the victim's channel made its completion read the
+    attacker's text, and garbage there ended the stream with ProtocolViolation. Events now come
+    from the replay stream, which only the request's owner writes; the channel only nudges."""
+    handle = producer.submit("x", request_id="victim")
+    worker.emit("victim", token(0, "real "))
+    stream = handle.stream(timeout=10)
+    assert next(stream).text == "real "
+    attacker = redis.Redis.from_url(redis_url)
+    attacker.publish(KEYS.tokens("victim"), encode(token(1, "Transfer approved. Wire to IBAN XX00 EVIL")))
+    attacker.publish(KEYS.tokens("victim"), encode(done(2)))
+    attacker.publish(KEYS.tokens("victim"), b"\xc1 not an event")
+    worker.emit("victim", token(1, "answer"), done(2, completion_tokens=2))
+    rest = list(stream)
+    assert [event.text for event in rest if isinstance(event, TokenEvent)] == ["answer"]
+    assert producer.result("victim", timeout=5).text == "real answer"
+
+
+def test_a_producer_acts_for_its_tenant_passed_or_from_the_environment(redis_url, monkeypatch):
+    client = redis.Redis.from_url(redis_url)
+    with Producer(redis_url, tenant="team-a") as team_a:
+        team_a.submit("x", request_id="mine")
+    monkeypatch.setenv("STREAMBATCH_TENANT", "team-b")
+    with Producer(redis_url) as team_b:
+        team_b.submit("y", request_id="mine")  # ids are per tenant: no duplicate
+    for tenant, prompt in (("team-a", "x"), ("team-b", "y")):
+        [(_, fields)] = client.xrange(KEYS.of(tenant).requests("normal"))
+        assert decode_request(fields[FIELD]).prompt == prompt
+        assert client.exists(KEYS.of(tenant).submitted("mine"))
+    assert client.xlen(KEYS.requests("normal")) == 0, "nothing in the default tenant's streams"
+    with pytest.raises(ValueError, match="tenant name"):
+        Producer(redis_url, tenant="Team A")
 
 
 def test_the_stream_survives_a_dropped_pubsub_connection(producer, worker, redis_url):

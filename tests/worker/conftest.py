@@ -102,16 +102,16 @@ def offline(model, prompts: list[list[int]], params: list[SamplingParams]) -> li
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-def submit(client, request: Request, lane: str = "normal") -> str:
-    return client.xadd(KEYS.requests(lane), {FIELD: encode(request)}).decode()
+def submit(client, request: Request, lane: str = "normal", keys: Keys = KEYS) -> str:
+    return client.xadd(keys.requests(lane), {FIELD: encode(request)}).decode()
 
 
-def replay(client, request_id: str) -> list:
-    return [decode_event(fields[FIELD]) for _, fields in client.xrange(KEYS.replay(request_id))]
+def replay(client, request_id: str, keys: Keys = KEYS) -> list:
+    return [decode_event(fields[FIELD]) for _, fields in client.xrange(keys.replay(request_id))]
 
 
-def is_finished(client, request_id: str) -> bool:
-    events = replay(client, request_id)
+def is_finished(client, request_id: str, keys: Keys = KEYS) -> bool:
+    events = replay(client, request_id, keys)
     return bool(events) and isinstance(events[-1], TERMINAL)
 
 

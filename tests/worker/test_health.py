@@ -18,10 +18,10 @@ from producer import Producer
 from producer.protocol import DoneEvent, Request
 from worker.config import DEFAULT_STALL_TIMEOUT_S
 from worker.engine.engine import Engine
-from worker.metrics import Health, Metrics
+from worker.metrics import MAX_CONNECTIONS, Health, Metrics, QuietHandler
 from worker.service import Worker
 
-from .conftest import greedy, is_finished, replay, submit
+from .conftest import KEYS, greedy, is_finished, replay, submit
 from .test_metrics import scrape
 from .test_processes import spawn, wait_for  # noqa: F401 (spawn: a fixture)
 from .test_startup import config
@@ -73,7 +73,7 @@ def stalled() -> Health:
 ], ids=["starting", "ready", "redis unreachable", "draining"])
 def test_each_state_answers_its_status_and_body_and_the_ready_gauge_agrees(health, healthz, readyz):
     metrics = Metrics(health())
-    server = metrics.serve(0)
+    server = metrics.serve("127.0.0.1", 0)
     try:
         assert checks(server.server_port) == (healthz, readyz)
         assert scrape(server.server_port)["streambatch:worker_ready"] == (1 if readyz[0] == 200 else 0)
@@ -83,7 +83,7 @@ def test_each_state_answers_its_status_and_body_and_the_ready_gauge_agrees(healt
 
 
 def test_a_loop_that_stopped_turning_is_neither_alive_nor_ready():
-    server = Metrics(stalled()).serve(0)
+    server = Metrics(stalled()).serve("127.0.0.1", 0)
     try:
         (live_status, live), (ready_status, ready) = checks(server.server_port)
         assert (live_status, live["alive"], live["state"]) == (503, False, "ready")
@@ -150,6 +150,54 @@ def test_a_worker_is_not_ready_while_its_turns_fail_on_redis_and_a_stall_ends_wi
     assert without_reason(probe(port, "/healthz")) == (503, {"alive": False, "state": "ready"})
     worker.turn()
     assert checks(port) == (ALIVE, READY)
+
+
+def test_a_worker_whose_every_turn_fails_for_the_stall_timeout_is_reported_dead(make_worker, client, monkeypatch):
+    """The red team's wedge: a lane stream overwritten with a string fails every turn, and /healthz
+    stayed 200, so nothing restarted the worker. Now it says so once that has lasted the stall
+    timeout, and is alive again with the first turn that succeeds."""
+    monkeypatch.setattr("worker.service.TURN_RETRY_S", 0)
+    worker = make_worker(metrics_port=0, stall_timeout=1.0)
+    port = worker.metrics_server.server_port
+    worker.turn()
+    stream = KEYS.requests("fast")
+    client.delete(stream)
+    client.set(stream, "not a stream")
+    failing_until = time.monotonic() + 1.5
+    while time.monotonic() < failing_until:
+        worker.turn()
+        assert worker.failed_turns > 0
+    status, body = probe(port, "/healthz")
+    assert status == 503 and body["reason"].startswith("every turn of the loop has failed for ")
+    assert "WRONGTYPE" in body["reason"]
+    client.delete(stream)
+    worker.turn()
+    worker.turn()
+    assert checks(port) == (ALIVE, READY)
+
+
+def test_the_metrics_port_listens_on_this_machine_only_unless_told(make_worker):
+    assert make_worker(metrics_port=0).metrics_server.server_address[0] == "127.0.0.1"
+    assert make_worker("w2", metrics_port=0, metrics_host="0.0.0.0").metrics_server.server_address[0] == "0.0.0.0"
+
+
+def test_idle_connections_hold_neither_more_threads_than_the_cap_nor_longer_than_the_read_timeout(monkeypatch):
+    """The red team's 800 idle connections made 804 threads, and at the file limit every turn of
+    the loop failed until the attacker left."""
+    monkeypatch.setattr(QuietHandler, "timeout", 0.5)
+    server = Metrics(Health("ready", last_turn=time.monotonic())).serve("127.0.0.1", 0)
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", server.server_port)) for _ in range(200)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() - before <= MAX_CONNECTIONS
+        time.sleep(1.0)  # past the read timeout: the idle connections are closed, their slots free
+        assert checks(server.server_port) == (ALIVE, READY)
+    finally:
+        for connection in idle:
+            connection.close()
+        server.shutdown()
+        server.server_close()
 
 
 def test_after_sigterm_readyz_says_draining_while_healthz_stays_200_until_the_drain_ends(spawn, client, redis_url):

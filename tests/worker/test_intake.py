@@ -10,6 +10,7 @@ from producer.protocol import FIELD, GROUP, Request
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.intake import Entry, Intake, Rejected, decode_entry, intake_room
+from worker.tenants import LaneStreams
 
 from .conftest import KEYS, MODEL, greedy, submit
 
@@ -59,7 +60,9 @@ def test_intake_room_keeps_a_few_waiting_and_nothing_while_the_pool_is_short(mod
 
 @pytest.fixture
 def intake(any_client):
-    intake = Intake(any_client, any_client, KEYS, "me", replay_ttl=60)
+    streams = LaneStreams(KEYS)
+    streams.serve([KEYS.tenant])
+    intake = Intake(any_client, any_client, KEYS, streams, "me", replay_ttl=60)
     intake.ensure_groups()
     intake.ensure_groups()  # BUSYGROUP is fine
     return intake
@@ -89,12 +92,14 @@ def test_ack_deletes_the_entries_and_records_dead_letters(intake, any_client):
     any_client.xadd(KEYS.requests("normal"), {b"junk": b"\x00"})
     good, junk = intake.read(5)
     any_client.set(KEYS.attempt("good"), b"1 owner")
-    intake.ack([good], [(junk, "entry has no 'm' field", None)], claimed=["good"])
+    intake.ack([good], [(junk, "entry has no 'm' field", None)], fences=[KEYS.attempt("good")])
     assert 0 < any_client.ttl(KEYS.attempt("good")) <= 60, "the fence outlives the entry by the replay TTL"
     assert any_client.xlen(KEYS.requests("normal")) == 0
     assert any_client.xpending(KEYS.requests("normal"), GROUP)["pending"] == 0
     [(_, letter)] = any_client.xrange(KEYS.dead_letters)
-    assert letter == {b"id": b"", b"reason": b"entry has no 'm' field", b"entry": pack({b"junk": b"\x00"}),
+    junk_entry = pack({b"junk": b"\x00"})
+    assert letter == {b"tenant": b"default", b"id": b"", b"reason": b"entry has no 'm' field", b"entry": junk_entry,
+                      b"entry_bytes": str(len(junk_entry)).encode(),
                       b"stream": KEYS.requests("normal").encode(), b"entry_id": junk.entry_id.encode()}
 
 

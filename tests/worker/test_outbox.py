@@ -16,12 +16,12 @@ from .conftest import KEYS, replay
 
 @pytest.fixture
 def outbox(any_client):
-    return Outbox(any_client, KEYS, replay_maxlen=1000, replay_ttl=60)
+    return Outbox(any_client, replay_maxlen=1000, replay_ttl=60)
 
 
 def owned(any_client, request_id: str, attempt: int = 1, next_seq: int = 0) -> Flight:
     """A flight whose claim holds the request's attempt key (as claims.py leaves it)."""
-    flight = Flight(request_id, Entry(KEYS.requests("normal"), "1-0", {}), attempt, next_seq,
+    flight = Flight(request_id, KEYS, Entry(KEYS.requests("normal"), "1-0", {}), attempt, next_seq,
                     log=structlog.get_logger().bind(request_id=request_id))
     any_client.set(KEYS.attempt(request_id), flight.fence)
     return flight
@@ -58,7 +58,7 @@ def command_calls(client) -> dict[str, int]:
 def test_one_transaction_carries_the_events_of_every_request(redis_url):
     """Real server only: it counts commands with INFO commandstats, which fakeredis lacks."""
     client = redis.Redis.from_url(redis_url)
-    outbox = Outbox(client, KEYS, replay_maxlen=1000, replay_ttl=60)
+    outbox = Outbox(client, replay_maxlen=1000, replay_ttl=60)
     flights = [owned(client, f"r{i}") for i in range(5)]
     idle = owned(client, "idle")
     listener = client.pubsub()

@@ -37,7 +37,7 @@ def dies_with(worker, request_id: str):
     execute = worker.engine.runner.execute
 
     def execute_or_die(plan):
-        if any(seq.request_id == request_id for seq in plan.scheduled):
+        if any(seq.request_id == f"{KEYS.tenant}/{request_id}" for seq in plan.scheduled):
             raise Died(f"{request_id} killed the worker")
         return execute(plan)
 
@@ -130,8 +130,8 @@ def test_the_fence_never_repeats_while_an_entry_is_pending_however_long_its_owne
     for _ in range(5):
         stalled.poll()
     time.sleep(1.3)  # past the reclaim threshold and the replay TTL, without a write or a refresh
-    run_until([rescuer], lambda: "r" in rescuer.flights, timeout=5)
-    assert rescuer.flights["r"].attempt == 2
+    run_until([rescuer], lambda: "default/r" in rescuer.flights, timeout=5)
+    assert rescuer.flights["default/r"].attempt == 2
 
     stalled.next_housekeeping = float("inf")  # it wakes straight into a step: the fence must stop it
     stalled.poll()
@@ -146,7 +146,7 @@ def test_refresh_reports_an_entry_a_peer_took_and_leaves_it_with_the_peer(make_w
     worker = make_worker("w1")
     submit(client, Request(id="r", prompt_ids=[5, 6, 7], params=greedy(50)))
     worker.poll()
-    flight = worker.flights["r"]
+    flight = worker.flights["default/r"]
     assert worker.claims.refresh([flight]) == []
     # A peer's reclaim, its claim not yet run: the group says the peer's, the attempt is still ours.
     client.xclaim(NORMAL, GROUP, "peer.0", 0, [flight.entry.entry_id], justid=True)
@@ -162,7 +162,7 @@ def test_take_back_leaves_an_entry_a_peer_took_meanwhile_with_the_peer(make_work
     worker = make_worker("w1")
     submit(client, Request(id="r", prompt_ids=[5, 6, 7], params=greedy(50)))
     worker.poll()
-    flight = worker.flights["r"]
+    flight = worker.flights["default/r"]
     worker.drop(flight, "a failed turn")  # still ours in the group: to take back
     time.sleep(0.05)
     look = worker.claims.client.xpending_range

@@ -64,7 +64,7 @@ def test_fifty_concurrent_requests_of_mixed_lanes_match_the_offline_engine(make_
         assert {event.attempt for event in events} == {1}
         assert published[f"r{i}"] == events, "the channel carries the same events, in the same order"
         assert 0 < client.ttl(KEYS.replay(f"r{i}")) <= worker.config.replay_ttl
-    assert lanes == {f"r{i}": LANES[i % 2] for i in range(50)}, "each runs in the lane of its stream"
+    assert lanes == {f"default/r{i}": LANES[i % 2] for i in range(50)}, "each runs in the lane of its stream"
     for lane in LANES:
         assert client.xpending(KEYS.requests(lane), GROUP)["pending"] == 0
     assert worker.flights == {}  # dropped: the engine lets go of it at its next step
@@ -201,7 +201,7 @@ def test_a_stalled_worker_loses_its_requests_to_a_reclaim_and_cannot_write_any_m
     time.sleep(0.7)  # past the reclaim threshold without a refresh
     for _ in range(5):
         rescuer.poll()  # the first turn reclaims
-    assert set(rescuer.flights) == {"r0", "r1", "r2"}
+    assert set(rescuer.flights) == {"default/r0", "default/r1", "default/r2"}
     before = [replay(client, f"r{i}") for i in range(3)]
 
     stalled.next_housekeeping = float("inf")  # it wakes straight into a step: the fence must stop it
@@ -304,7 +304,7 @@ def test_a_poison_request_is_dead_lettered_with_an_error_event_and_the_rest_are_
     execute = worker.engine.runner.execute
 
     def breaks_on_poison(plan):
-        if any(seq.request_id == "poison" for seq in plan.scheduled):
+        if any(seq.request_id == "default/poison" for seq in plan.scheduled):
             raise RuntimeError("this input breaks the model")
         return execute(plan)
 
@@ -329,7 +329,7 @@ def test_a_turn_that_fails_costs_the_held_requests_not_the_worker(make_worker, c
     worker = make_worker()
     submit(client, Request(id="held", prompt_ids=[5, 6, 7], params=greedy(50)))
     worker.poll()
-    assert "held" in worker.flights
+    assert "default/held" in worker.flights
     monkeypatch.setattr("worker.service.TURN_RETRY_S", 0)
     monkeypatch.setattr(worker.outbox, "flush", lambda flights: 1 / 0)
     worker.turn()  # does not raise
@@ -423,7 +423,7 @@ def test_a_request_the_engine_cannot_start_ends_alone_with_an_internal_error(mak
     add_request = worker.engine.add_request
 
     def fails_for_one(request_id, **options):
-        if request_id == "unlucky":
+        if request_id == "default/unlucky":
             raise RuntimeError("an engine bug")
         return add_request(request_id, **options)
 

@@ -20,7 +20,7 @@ def test_a_step_that_hangs_past_the_stall_timeout_ends_the_worker_and_its_reques
     rescuer = make_worker("w2", reclaim_idle_ms=600)
     submit(client, Request(id="r", prompt_ids=[5, 6, 7], params=greedy(30)))
     hung.poll()
-    assert "r" in hung.flights
+    assert "default/r" in hung.flights
     release, step = threading.Event(), hung.engine.step
 
     def hangs():

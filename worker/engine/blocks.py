@@ -5,6 +5,12 @@ named by a chained hash (parent hash + the block's tokens), so requests that sha
 prefix point their tables at the same physical blocks. A block whose last user leaves
 keeps its hash and waits in an LRU of cached-free blocks: a later request with the same
 prefix takes it back; a new allocation evicts the least recently freed one.
+
+Sharing stays inside a namespace, the sequence's `cache_salt` (the worker's tenant): the salt
+goes into the hash of a sequence's blocks, so another tenant's identical prompt neither hits
+them nor learns from its cached-token count that someone asked it. Pinned prefixes are the
+exception, shared by all: a sequence's head blocks that are a pinned prefix's keep the unsalted
+hash, and the salt enters at the first block past it.
 Pure Python: no torch, no redis.
 """
 
@@ -81,9 +87,14 @@ class BlockPool:
     # --- prefix cache ------------------------------------------------------------------
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         size = self.block_size
-        for i in range(len(seq.block_hashes), num_full_blocks):
-            parent = seq.block_hashes[i - 1] if i else b""
-            seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * size:(i + 1) * size]))
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_full_blocks):
+            tokens = seq.token_ids[i * size:(i + 1) * size]
+            parent = hashes[i - 1] if i else b""
+            shared = chain_hash(parent, tokens)
+            on_pinned_head = shared in self.pinned_hashes and (i == 0 or parent in self.pinned_hashes)
+            salted = not on_pinned_head and seq.cache_salt
+            hashes.append(chain_hash(seq.cache_salt + parent, tokens) if salted else shared)
 
     def match_prefix(self, seq: Sequence) -> list[Block]:
         """The longest run of cached full blocks at the head of the sequence. The last

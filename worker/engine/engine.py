@@ -96,12 +96,14 @@ class Engine:
     # --- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, *, prompt: str | None = None, messages: list[dict] | None = None,
                     prompt_ids: list[int] | None = None, params: SamplingParams | None = None,
-                    lane: Lane | None = None, emitted_token_ids: list[int] = ()) -> Sequence:
+                    lane: Lane | None = None, emitted_token_ids: list[int] = (), cache_salt: bytes = b"") -> Sequence:
         """Tokenize and queue a request. Raises PromptError (a ValueError) for a prompt that
         cannot be served; a request that can never fit comes back finished with an error.
         `emitted_token_ids` resumes a request that already produced those tokens elsewhere:
         they are recomputed with the prompt and count as output (max_tokens, penalties), and the
-        text the earlier attempt held back of them comes out with the next tokens."""
+        text the earlier attempt held back of them comes out with the next tokens. `cache_salt`:
+        the request shares prefix-cache blocks only with requests of the same salt (a tenant's),
+        and with the pinned prefixes, which are everyone's."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -118,7 +120,7 @@ class Engine:
         emitted_token_ids = check_token_ids(emitted_token_ids, self.info.vocab_size, "resumed token ids")
         if len(emitted_token_ids) > params.max_tokens:
             raise PromptError(f"{len(emitted_token_ids)} resumed token ids, more than max_tokens ({params.max_tokens})")
-        seq = Sequence(request_id, token_ids, params, eos_token_ids=self.info.eos_token_ids)
+        seq = Sequence(request_id, token_ids, params, eos_token_ids=self.info.eos_token_ids, cache_salt=cache_salt)
         seq.token_ids.extend(emitted_token_ids)
         detokenizer = None
         if self.tokenizer is not None:

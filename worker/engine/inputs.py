@@ -14,6 +14,13 @@ from typing import Any, Literal
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
+# Tokenizing costs microseconds a character (about 3 s for 2**20 of them here): a text far past
+# the limit would stall the worker's loop. Past CHARS_PER_TOKEN_BOUND characters a token of the
+# limit, only the part that decides is tokenized first: the head, which shows the text too long
+# once it alone has more tokens than the limit (reject), or the tail, whose last tokens are what
+# is kept (left). Cutting changes at most a few tokens next to the cut: CUT_SLACK_TOKENS.
+CHARS_PER_TOKEN_BOUND = 8
+CUT_SLACK_TOKENS = 8
 
 
 class PromptError(ValueError):
@@ -53,23 +60,39 @@ def encode_prompt(
             raise PromptError(f"prompt must be a string, got {type(prompt).__name__}")
         if not prompt:
             raise PromptError("prompt is empty")
-        ids = list(tokenizer.encode(prompt))
+        ids, whole = _encode_text(tokenizer, prompt, max_prompt_tokens, truncate, add_special_tokens=True)
     elif messages is not None:
-        ids = _encode_messages(tokenizer, messages, add_generation_prompt)
+        # The rendered text already holds the template's special tokens (BOS, role markers);
+        # letting encode add its own would double the BOS.
+        ids, whole = _encode_text(tokenizer, _render_messages(tokenizer, messages, add_generation_prompt),
+                                  max_prompt_tokens, truncate, add_special_tokens=False)
     else:
-        ids = _check_ids(prompt_ids, len(tokenizer) if vocab_size is None else vocab_size)
+        ids, whole = _check_ids(prompt_ids, len(tokenizer) if vocab_size is None else vocab_size), True
     if not ids:
         raise PromptError("prompt encodes to no tokens")
 
     if len(ids) > max_prompt_tokens:
         if truncate == "reject":
-            raise PromptError(f"prompt is {len(ids)} tokens, longer than the limit of "
-                              f"{max_prompt_tokens} tokens")
+            raise PromptError(f"prompt is {'' if whole else 'more than '}{len(ids)} tokens, longer than the "
+                              f"limit of {max_prompt_tokens} tokens")
         ids = ids[-max_prompt_tokens:]
     return ids
 
 
-def _encode_messages(tokenizer: Any, messages: Any, add_generation_prompt: bool) -> list[int]:
+def _encode_text(tokenizer: Any, text: str, max_prompt_tokens: int, truncate: str,
+                 add_special_tokens: bool) -> tuple[list[int], bool]:
+    """-> (token ids, whether they are the whole text's). Only when the text is long past the
+    limit are they a part's (see CHARS_PER_TOKEN_BOUND), and then more than the limit."""
+    window = (max_prompt_tokens + CUT_SLACK_TOKENS) * CHARS_PER_TOKEN_BOUND
+    if len(text) > window:
+        ids = list(tokenizer.encode(text[:window] if truncate == "reject" else text[-window:],
+                                    add_special_tokens=add_special_tokens))
+        if len(ids) > max_prompt_tokens + CUT_SLACK_TOKENS:
+            return (ids if truncate == "reject" else ids[CUT_SLACK_TOKENS:]), False
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens)), True
+
+
+def _render_messages(tokenizer: Any, messages: Any, add_generation_prompt: bool) -> str:
     if not isinstance(messages, list) or not messages:
         raise PromptError("messages must be a non-empty list")
     for i, message in enumerate(messages):
@@ -87,13 +110,9 @@ def _encode_messages(tokenizer: Any, messages: Any, add_generation_prompt: bool)
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("this model's tokenizer has no chat template; send prompt or prompt_ids")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                              add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as error:  # a template may raise on a role order it does not support
         raise PromptError(f"chat template rejected the messages: {error}") from error
-    # The rendered text already holds the template's special tokens (BOS, role markers);
-    # letting encode add its own would double the BOS.
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _check_ids(prompt_ids: Any, vocab_size: int) -> list[int]:

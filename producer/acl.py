@@ -1,0 +1,86 @@
+"""Redis ACL rules for the three roles, made from the key layout (protocol.Keys) in one place,
+`role_rules`, so that renaming a key changes who may touch it with it, never silently.
+
+- A tenant's producer (`tenant-<name>`): XADD to its own lane streams; read its requests'
+  replay streams and submission keys, its streams' lengths and pending counts; SUBSCRIBE to its
+  requests' channels; SET (and DEL) its submission keys, SET its cancel keys and PUBLISH on its
+  cancel channel. Nothing else: no other tenant's key or channel, no shared key (registry, pins,
+  dead letters, heartbeats), no SCAN, KEYS, EVAL, FLUSHALL, CONFIG, DEBUG, MODULE or SCRIPT, and
+  no DEL or SET of a stream, nor an XADD to a replay stream (that would forge events).
+- The worker (`worker`): what the service does, on every tenant's keys and the shared ones, and
+  no admin command.
+- The operator (`operator`): stats, the tenant registry, pins, dead letters, and ACL management
+  (creating and removing tenant users), with reads of everything.
+The default user is off. `users_acl` writes the ACL file compose loads (ops/redis/users.acl).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from producer.protocol import LANES, Keys
+
+Role = Literal["tenant", "worker", "operator"]
+WORKER_USER, OPERATOR_USER = "worker", "operator"
+# In ops/redis/users.acl, where the Redis container's start puts each password's SHA-256
+# (from its compose secret), so that no secret is in the file.
+PASSWORD_PLACEHOLDER = "@{user}_PASSWORD_SHA256@"
+
+_BASE = ["+ping", "+multi", "+exec", "+discard"]
+_WORKER_COMMANDS = [
+    "+xreadgroup", "+xack", "+xdel", "+xadd", "+xclaim", "+xautoclaim", "+xpending", "+xinfo|consumers",
+    "+xgroup|create", "+xgroup|delconsumer", "+xtrim", "+xlen", "+xrange",
+    "+evalsha", "+script|load", "+script|exists",
+    "+get", "+set", "+expire", "+pexpire", "+exists", "+del", "+hgetall", "+publish", "+subscribe", "+unsubscribe",
+]
+_OPERATOR_COMMANDS = [
+    "+scan", "+type", "+get", "+exists", "+hgetall", "+hget", "+hexists", "+hset", "+hdel", "+xlen", "+xrange", "+xrevrange",
+    "+xpending", "+xinfo|groups", "+xinfo|consumers",
+    "+acl|setuser", "+acl|deluser", "+acl|getuser", "+acl|users", "+acl|save", "+acl|whoami",
+]
+_ANY = "\x00"  # stands for any request id while a key name is made, then becomes `*`
+
+
+def tenant_user(tenant: str) -> str:
+    return f"tenant-{tenant}"
+
+
+def _pattern(name: str) -> str:
+    """A key or channel name as an ACL glob: its own glob characters escaped, any id a `*`."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", name).replace(_ANY, "*")
+
+
+def role_rules(role: Role, keys: Keys) -> list[str]:
+    """The ACL rules of `role` (after `reset`), for `keys`' tenant when the role is a tenant's."""
+    if role == "tenant":
+        streams = [f"~{_pattern(keys.requests(lane))}" for lane in LANES]
+        return ["resetkeys", "resetchannels", "-@all", *_BASE,
+                "+xlen", "+xpending", "+xrange", "+exists", "+get", "+subscribe", "+unsubscribe",
+                *(f"%R{rule}" for rule in streams), f"%R~{_pattern(keys.replay(_ANY))}",
+                f"%R~{_pattern(keys.submitted(_ANY))}", f"&{_pattern(keys.tokens(_ANY))}",
+                f"(+xadd {' '.join(streams)})",
+                f"(+set +del ~{_pattern(keys.submitted(_ANY))})",
+                f"(+set ~{_pattern(keys.cancelled(_ANY))})",
+                f"(+publish &{_pattern(keys.cancel_channel)})"]
+    everything = [f"~{_pattern(keys.prefix)}:*", f"&{_pattern(keys.prefix)}:*"]
+    commands = _WORKER_COMMANDS if role == "worker" else _OPERATOR_COMMANDS
+    return ["resetkeys", "resetchannels", "-@all", *_BASE, *commands, *everything]
+
+
+def users_acl(keys: Keys, secrets: dict[str, str] | None = None) -> str:
+    """The ACL file: the default user off, the worker and the operator. `secrets`: user -> the
+    password rule (`#<sha256>` or `><password>`); by default the placeholders the Redis
+    container's start replaces with its secrets' hashes."""
+    secrets = secrets or {user: "#" + PASSWORD_PLACEHOLDER.format(user=user.upper())
+                          for user in (WORKER_USER, OPERATOR_USER)}
+    lines = ["user default off resetkeys resetchannels -@all"]
+    for user, role in ((WORKER_USER, "worker"), (OPERATOR_USER, "operator")):
+        lines.append(" ".join(["user", user, "on", secrets[user], *role_rules(role, keys)]))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m producer.acl > ops/redis/users.acl
+    import sys
+
+    sys.stdout.write(users_acl(Keys()))
