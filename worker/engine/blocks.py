@@ -91,10 +91,12 @@ class BlockPool:
         for i in range(len(hashes), num_full_blocks):
             tokens = seq.token_ids[i * size:(i + 1) * size]
             parent = hashes[i - 1] if i else b""
-            shared = chain_hash(parent, tokens)
-            on_pinned_head = shared in self.pinned_hashes and (i == 0 or parent in self.pinned_hashes)
-            salted = not on_pinned_head and seq.cache_salt
-            hashes.append(chain_hash(seq.cache_salt + parent, tokens) if salted else shared)
+            # Unsalted while still on a pinned prefix's head (hashed twice only there), salted after.
+            if seq.cache_salt and (i == 0 or parent in self.pinned_hashes):
+                shared = chain_hash(parent, tokens)
+                hashes.append(shared if shared in self.pinned_hashes else chain_hash(seq.cache_salt + parent, tokens))
+            else:
+                hashes.append(chain_hash(seq.cache_salt + parent, tokens))
 
     def match_prefix(self, seq: Sequence) -> list[Block]:
         """The longest run of cached full blocks at the head of the sequence. The last
