@@ -10,13 +10,15 @@ and podman-compose, end to end. Each step is timed and checked; the first failur
   4. `podman-compose up` of the CPU profile with --workers workers and Prometheus: until Redis and
      every worker pass their healthchecks (podman here has no systemd to schedule them, so the
      smoke runs them: `podman healthcheck run`);
-  5. a request from the host, through the producer CLI on the published Redis port: its tokens;
+  5. a tenant registered by the tools service (`run --rm tools tenant add`), and its request from
+     the host, through the producer CLI as that tenant on the published Redis port: its tokens;
   6. a long request whose worker is killed with `podman kill -s KILL` mid-generation: another
      finishes it, every seq exactly once, its tokens those of an undisturbed run;
   7. Prometheus's targets API: every worker up;
   8. the hardening, on the running containers (`podman inspect`, `podman exec`): users, read-only
-     roots, no capabilities, no-new-privileges, the password in no environment, command line or
-     process argument list, Redis refusing a client without it;
+     roots, no capabilities, no-new-privileges, pid and memory limits, no compiler in the worker,
+     no password in any environment, command line or process argument list; Redis refusing a
+     client without a password, and the tenant what its ACL user may not do;
   9. `podman-compose down`, then `up`: step 5's events are still in Redis (AOF on the volume);
  10. the GPU profiles rendered by `podman-compose config`, and the Dockerfile's branch for a base
      that brings its own torch (the CUDA one) built on a stand-in with torch inside;
@@ -53,7 +55,9 @@ from rich.console import Console
 from ops.demo import DemoError, free_port
 from ops.tool import run_tool
 from producer import Producer
-from producer.protocol import FIELD, GROUP, DoneEvent, Keys, SamplingParams, TokenEvent, decode_event
+from producer.acl import OPERATOR_USER, WORKER_USER, tenant_user
+from producer.protocol import FIELD, GROUP, DoneEvent, Keys, SamplingParams, TokenEvent, decode_event, read_password
+from producer.tenants import API_KEY_PREFIX
 from worker.heartbeat import worker_of
 from worker.intake import usable_id
 
@@ -62,7 +66,8 @@ HERE = ROOT / "ops" / "compose"
 PROJECT = "streambatch-smoke"
 STANDIN = "localhost/streambatch-standin"
 DEBIAN = f"{STANDIN}/debian:bookworm"
-WORKER_USER = "10001:10001"
+CONTAINER_USER = "10001:10001"  # the worker image's (and the tools service's here)
+TENANT = "smoke"
 INDEX_PORT = 45120  # the package index's: a build argument, so a port new each run would rebuild the image
 KEYS = Keys()
 
@@ -88,8 +93,9 @@ class Smoke:
         self.console, self.args = console, args
         self.figures: dict[str, object] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="streambatch-smoke-"))
-        self.password = secrets.token_urlsafe(24)
-        self.password_file = self.scratch / "secrets" / "redis_password"
+        self.secrets = self.scratch / "secrets"
+        self.passwords = {user: secrets.token_urlsafe(24) for user in (WORKER_USER, OPERATOR_USER)}
+        self.password = self.passwords[OPERATOR_USER]  # the smoke's own client is the operator
         self.redis_port, self.prometheus_port = free_port(), free_port()
         self.index_port = port_or_free(INDEX_PORT)  # the same one each run, or the build's cache misses
         podman_compose = shutil.which("podman-compose", path=str(Path(sys.executable).parent))
@@ -97,12 +103,17 @@ class Smoke:
         self.environ = os.environ | {
             "CONTAINERS_CONF": str(HERE / "containers.conf"),
             "BUILDAH_FORMAT": "docker",  # keeps the image's HEALTHCHECK (the OCI format has none)
-            "REDIS_PASSWORD_FILE": str(self.password_file),
+            "REDIS_WORKER_PASSWORD_FILE": str(self.secret(WORKER_USER)),
+            "REDIS_OPERATOR_PASSWORD_FILE": str(self.secret(OPERATOR_USER)),
+            "TOOLS_USER": CONTAINER_USER,
+            "TENANT_SECRETS_DIR": str(self.secrets / "tenants"),
             "SMOKE_REDIS_PORT": str(self.redis_port),
             "PROMETHEUS_PORT": str(self.prometheus_port),
             "COMPOSE_PROFILES": "",
         }
-        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.redis_url = f"redis://{OPERATOR_USER}@127.0.0.1:{self.redis_port}/0"
+        self.tenant_url = f"redis://{tenant_user(TENANT)}@127.0.0.1:{self.redis_port}/0"
+        self.tenant_password_file = self.secrets / "tenants" / f"{TENANT}.password"
         self.run_id = secrets.token_hex(3)  # in the request ids: this run's own
 
     # --- the run -------------------------------------------------------------------------
@@ -127,7 +138,9 @@ class Smoke:
                 with self.step("worker image build", "build_s"):
                     self.compose("--podman-build-args=--network=host", "build", "worker-cpu")
                 self.up("up, until every healthcheck passes", "healthy_s")
-                with self.step("a request from the host's producer CLI"):
+                with self.step("a tenant registered by the tools service"):
+                    self.tenant_added()
+                with self.step("a request from the host's producer CLI, as the tenant"):
                     self.request_from_the_host()
                 with self.step("kill -9 of the worker mid-generation"):
                     victim = self.kill_mid_generation()
@@ -151,7 +164,7 @@ class Smoke:
                         self.gpu_branch()
             finally:
                 if self.args.keep:
-                    self.console.print(f"left running; its Redis password is in {self.password_file}: "
+                    self.console.print(f"left running; its Redis passwords are in {self.secrets}: "
                                        f"`podman-compose -p {PROJECT} down -v` when done")
                 else:
                     self.teardown()
@@ -179,9 +192,15 @@ class Smoke:
                              "golang-github-containernetworking-plugin-dnsname; pip install -e '.[dev]'")
         if os.geteuid() != 0:
             raise SmokeError("run it as root: the stack needs rootful podman (networks with DNS, published ports)")
-        self.password_file.parent.mkdir(mode=0o700)
-        self.password_file.write_text(self.password + "\n")
-        self.password_file.chmod(0o644)  # read by the containers' own users (redis, 10001)
+        self.secrets.mkdir(mode=0o700)
+        for user, password in self.passwords.items():
+            self.secret(user).write_text(password + "\n")
+            self.secret(user).chmod(0o644)  # read by the containers' own users (redis, 10001)
+        (self.secrets / "tenants").mkdir(mode=0o700)
+        os.chown(self.secrets / "tenants", *map(int, CONTAINER_USER.split(":")))  # the tools service writes there
+
+    def secret(self, user: str) -> Path:
+        return self.secrets / f"redis_{user}_password"
 
     @contextlib.contextmanager
     def step(self, what: str, figure: str | None = None) -> Iterator[None]:
@@ -239,9 +258,10 @@ class Smoke:
         image = "localhost/streambatch-worker:torch-in-base"
         output = self.quiet(["podman", "build", "--network", "host", "--build-arg",
                              f"BASE_IMAGE={STANDIN}/python-with-torch", "-t", image, str(ROOT)])
-        steps = [line for line in output.splitlines() if line.startswith("STEP ")]
+        # "STEP 5/9: ...", or "[1/2] STEP 5/14: ..." in a build of more than one stage
+        steps = [line for line in output.splitlines() if re.match(r"(\[\d+/\d+\] )?STEP \d", line)]
         torch_step = next(index for index, line in enumerate(steps) if "import torch" in line)
-        installed = output.split(steps[torch_step])[1].split("STEP ")[0]
+        installed = output.split(steps[torch_step])[1].split(steps[torch_step + 1])[0]
         if "Successfully installed" in installed:
             raise SmokeError("the Dockerfile installed torch on a base that has it")
         loaded = self.podman("run", "--rm", "--entrypoint", "python", image, "-c",
@@ -279,11 +299,25 @@ class Smoke:
         self.healthy([name])
         self.figures["restarted_after_crash"] = name
 
+    def tenant_added(self) -> None:
+        """`streambatch tenant add` in the tools container, as the operator: the tenant's ACL user,
+        its password in the file named (on the host, 0600), its API key printed once."""
+        added = self.compose("--profile", "tools", "run", "--rm", "tools", "tenant", "add", TENANT,
+                             "--password-file", f"/tenants/{TENANT}.password")
+        if not added.stdout.strip().startswith(API_KEY_PREFIX) or \
+                self.tenant_password_file.stat().st_mode & 0o777 != 0o600:
+            raise SmokeError(f"tenant add printed no API key or left no private password file: {added.stdout[-500:]}")
+        if any(password in added.stdout + added.stderr for password in self.passwords.values()):
+            raise SmokeError("tenant add printed a Redis password")
+        self.tenant_password = read_password(str(self.tenant_password_file))
+        registered = self.redis().hget(KEYS.tenants, TENANT)
+        self.figures["tenant"] = {"name": TENANT, "registered": registered is not None, "api_key_printed_once": True}
+
     def request_from_the_host(self) -> None:
         out = subprocess.run(
-            [sys.executable, "-m", "producer", "--redis-url", self.redis_url, "--redis-password-file",
-             str(self.password_file), "submit", "Name three colours.", "--chat", "--stream", "--max-tokens", "24",
-             "--temperature", "0", "--id", f"smoke-hello-{self.run_id}"],
+            [sys.executable, "-m", "producer", "--redis-url", self.tenant_url, "--redis-password-file",
+             str(self.tenant_password_file), "--tenant", TENANT, "submit", "Name three colours.", "--chat",
+             "--stream", "--max-tokens", "24", "--temperature", "0", "--id", f"smoke-hello-{self.run_id}"],
             cwd=ROOT, capture_output=True, text=True, timeout=300)
         if out.returncode != 0 or not out.stdout.strip():
             raise SmokeError(f"the producer CLI got no tokens (status {out.returncode}): {out.stderr[-1000:]}")
@@ -294,7 +328,7 @@ class Smoke:
         """-> the container killed."""
         params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
         messages = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
-        with Producer(self.redis_url, password=self.password) as producer:
+        with Producer(self.tenant_url, password=self.tenant_password, tenant=TENANT) as producer:
             events: list = []
             handle = producer.submit(messages=messages, params=params, request_id=f"smoke-killed-{self.run_id}")
             streaming = threading.Thread(target=lambda: events.extend(handle.stream(timeout=300)), daemon=True)
@@ -328,7 +362,7 @@ class Smoke:
         """The container whose worker holds the request's entry."""
         client = self.redis()
         for lane in ("fast", "normal"):
-            stream = KEYS.requests(lane)
+            stream = KEYS.of(TENANT).requests(lane)
             entries = {entry_id: fields for entry_id, fields in client.xrange(stream)}
             for pending in client.xpending_range(stream, GROUP, "-", "+", 100):
                 fields = entries.get(pending["message_id"])
@@ -365,26 +399,32 @@ class Smoke:
             capabilities = set(self.podman("exec", name, "sh", "-c",
                                            r"grep -h '^Cap\(Eff\|Bnd\)' /proc/[0-9]*/status").stdout.split()[1::2])
             problems = [why for why, bad in (
-                ("the password is in its configuration (environment, command, labels)",
-                 self.password in json.dumps(container)),
-                ("the password is in a process's arguments", self.password in arguments),
+                ("a password is in its configuration (environment, command, labels)",
+                 any(password in json.dumps(container) for password in self.passwords.values())),
+                ("a password is in a process's arguments",
+                 any(password in arguments for password in self.passwords.values())),
+                (f"pid limit {host.get('PidsLimit')}, memory limit {host.get('Memory')}",
+                 not 0 < (host.get("PidsLimit") or 0) <= 512 or not host.get("Memory")),
                 (f"capabilities left: {capabilities}", capabilities != {"0000000000000000"}),
                 ("no no-new-privileges",
                  not any("no-new-privileges" in option for option in host.get("SecurityOpt") or [])),
                 ("root filesystem writable", not host["ReadonlyRootfs"]),
             ) if bad]
             user = self.podman("exec", name, "id", "-u").stdout.strip()
-            if service == "worker-cpu" and (config["User"] != WORKER_USER or user != "10001"):
-                problems.append(f"runs as {config['User']!r} (uid {user}), not {WORKER_USER}")
+            if service == "worker-cpu" and (config["User"] != CONTAINER_USER or user != "10001"):
+                problems.append(f"runs as {config['User']!r} (uid {user}), not {CONTAINER_USER}")
             if user == "0":
                 problems.append("runs as root")
             if self.podman("exec", name, "sh", "-c", "touch /written-here", check=False).returncode == 0:
                 problems.append("could write to its root filesystem")
+            compilers = self.podman("exec", name, "sh", "-c", "command -v gcc g++ cc c++ clang || true").stdout
+            if service == "worker-cpu" and compilers.strip():
+                problems.append(f"a compiler in the image: {compilers.split()}")
             if problems:
                 raise SmokeError(f"{name}: {'; '.join(problems)}")
             found[name] = {"service": service, "uid": user, "read_only": True, "capabilities": []}
         try:
-            redis.Redis.from_url(self.redis_url).ping()
+            redis.Redis(port=self.redis_port).ping()
         except redis.AuthenticationError:
             pass
         except redis.ResponseError as error:
@@ -393,14 +433,44 @@ class Smoke:
         else:
             raise SmokeError("Redis answered a client without its password")
         self.figures["hardening"] = found
+        self.figures["tenant_refused"] = self.tenant_refusals()
         self.console.print(f"  {len(found)} containers: no capabilities, no-new-privileges, read-only, not root, "
-                           "no password in inspect or argv; Redis refuses a client without the password")
+                           "pid and memory limits, no compiler, no password in inspect or argv; Redis refuses a "
+                           f"client without a password, and the tenant {len(self.figures['tenant_refused'])} "
+                           "commands outside its role")
+
+    def tenant_refusals(self) -> list[str]:
+        """What the tenant's ACL user must not do on the running Redis (tests/worker/test_acl.py has
+        the whole list): each must be refused."""
+        tenant = redis.Redis.from_url(self.tenant_url, password=self.tenant_password)
+        attempts = {
+            "read the registry": lambda: tenant.hgetall(KEYS.tenants),
+            "read a worker's heartbeat": lambda: tenant.get(KEYS.worker("any")),
+            "read the default tenant's queue": lambda: tenant.xrange(KEYS.requests("normal")),
+            "FLUSHALL": tenant.flushall,
+            "CONFIG GET": lambda: tenant.config_get("*"),
+            "KEYS": lambda: tenant.keys("*"),
+            "DEL its own lane stream": lambda: tenant.delete(KEYS.of(TENANT).requests("normal")),
+        }
+        refused = []
+        for what, attempt in attempts.items():
+            try:
+                attempt()
+            except redis.exceptions.NoPermissionError:
+                refused.append(what)
+                continue
+            raise SmokeError(f"the tenant's ACL user was allowed to {what}")
+        return refused
 
     def data_kept(self) -> None:
-        replay = self.redis().xrange(KEYS.replay(f"smoke-hello-{self.run_id}"))
+        replay = self.redis().xrange(KEYS.of(TENANT).replay(f"smoke-hello-{self.run_id}"))
         events = [decode_event(fields[FIELD]) for _, fields in replay]
         if not events or not isinstance(events[-1], DoneEvent):
             raise SmokeError("step 5's request is gone from Redis after down and up")
+        try:
+            redis.Redis.from_url(self.tenant_url, password=self.tenant_password).ping()
+        except redis.AuthenticationError:
+            raise SmokeError("the tenant's ACL user did not outlive down and up") from None
         self.figures["events_kept_across_down_up"] = len(events)
 
     def gpu_profiles(self) -> None:

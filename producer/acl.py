@@ -11,18 +11,20 @@
   no admin command.
 - The operator (`operator`): stats, the tenant registry, pins, dead letters, and ACL management
   (creating and removing tenant users), with reads of everything.
-The default user is off. `users_acl` writes the ACL file compose loads (ops/redis/users.acl).
+No one logs in as the default user (see users_acl). `users_acl` writes the ACL file compose loads
+(ops/redis/users.acl).
 """
 
 from __future__ import annotations
 
 import re
+import secrets as randomness
 from typing import Literal
 
 from producer.protocol import LANES, Keys
 
 Role = Literal["tenant", "worker", "operator"]
-WORKER_USER, OPERATOR_USER = "worker", "operator"
+DEFAULT_USER, WORKER_USER, OPERATOR_USER = "default", "worker", "operator"
 # In ops/redis/users.acl, where the Redis container's start puts each password's SHA-256
 # (from its compose secret), so that no secret is in the file.
 PASSWORD_PLACEHOLDER = "@{user}_PASSWORD_SHA256@"
@@ -69,12 +71,21 @@ def role_rules(role: Role, keys: Keys) -> list[str]:
 
 
 def users_acl(keys: Keys, secrets: dict[str, str] | None = None) -> str:
-    """The ACL file: the default user off, the worker and the operator. `secrets`: user -> the
+    """The ACL file: the default user, the worker and the operator. `secrets`: user -> the
     password rule (`#<sha256>` or `><password>`); by default the placeholders the Redis
-    container's start replaces with its secrets' hashes."""
-    secrets = secrets or {user: "#" + PASSWORD_PLACEHOLDER.format(user=user.upper())
-                          for user in (WORKER_USER, OPERATOR_USER)}
-    lines = ["user default off resetkeys resetchannels -@all"]
+    container's start replaces with its secrets' hashes.
+
+    The default user cannot be off: Redis replays the append-only file's MULTI/EXEC blocks (every
+    submit, and every script's writes) as the default user, checking its rights, and with it off
+    drops them without a word on restart (redis/redis#14541). So it keeps every right, but its
+    password is the SHA-256 of nothing anyone knows (random at each start): no client can log in
+    as it, and a connection that has not logged in as another user may do nothing (NOAUTH)."""
+    if secrets is None:
+        secrets = {user: "#" + PASSWORD_PLACEHOLDER.format(user=user.upper())
+                   for user in (DEFAULT_USER, WORKER_USER, OPERATOR_USER)}
+    else:  # given the others, the default user's is made here
+        secrets = {DEFAULT_USER: "#" + randomness.token_hex(32)} | secrets
+    lines = [f"user {DEFAULT_USER} on {secrets[DEFAULT_USER]} resetkeys ~* resetchannels &* +@all"]
     for user, role in ((WORKER_USER, "worker"), (OPERATOR_USER, "operator")):
         lines.append(" ".join(["user", user, "on", secrets[user], *role_rules(role, keys)]))
     return "\n".join(lines) + "\n"

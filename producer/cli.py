@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,16 +31,18 @@ from producer.acl import tenant_user
 from producer.client import Producer
 from producer.completion import Completion
 from producer.errors import Disconnected, ProducerError
-from producer.protocol import (DEFAULT_TENANT, LANES, DoneEvent, ErrorEvent, TokenEvent, TokenLogprob, check_tenant,
-                               read_password, redacted)
+from producer.protocol import (DEFAULT_TENANT, LANES, PASSWORD_ON_COMMAND_LINE, DoneEvent, ErrorEvent, TokenEvent,
+                               TokenLogprob, check_tenant, has_password, read_password, redacted)
 from producer.shell import DEFAULT_URL, TENANT_ENV
 from producer.tenants import TenantRegistry
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    args.redis_url = args.redis_url or os.environ.get("STREAMBATCH_REDIS_URL") or DEFAULT_URL
     errors = Console(stderr=True, highlight=False)
+    if args.redis_url is not None and has_password(args.redis_url):
+        errors.print(f"[yellow]warning:[/] {PASSWORD_ON_COMMAND_LINE}")
+    args.redis_url = args.redis_url or os.environ.get("STREAMBATCH_REDIS_URL") or DEFAULT_URL
     try:
         password = read_password(args.redis_password_file) if args.redis_password_file else None
     except (OSError, ValueError) as error:
@@ -303,17 +306,27 @@ def _summary(completion: Completion) -> str:
 def _tenant_issue(producer: Producer, args, errors: Console) -> int:
     registry = TenantRegistry(producer.redis, producer.keys)
     adding = args.adding
+    # A new file (mode 0600) made before anything is issued, since credentials that could not be
+    # saved would be lost at once; it replaces the old one only once the new credentials exist.
+    target = Path(args.password_file)
     try:
-        if adding:
-            issued = registry.add(args.name, weight=args.weight, max_backlog=args.max_backlog)
-        else:
-            issued = registry.rotate_key(args.name)
+        descriptor, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    except OSError as error:
+        errors.print(f"[red]error:[/] --password-file: {escape(str(error))}")
+        return 1
+    try:
+        with os.fdopen(descriptor, "w") as out:
+            if adding:
+                issued = registry.add(args.name, weight=args.weight, max_backlog=args.max_backlog)
+            else:
+                issued = registry.rotate_key(args.name)
+            out.write(issued.password + "\n")
+        os.replace(scratch, target)
     except ValueError as error:
         errors.print(f"[red]error:[/] {escape(str(error))}")
         return 1
-    with os.fdopen(os.open(args.password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-        out.write(issued.password + "\n")
-    os.chmod(args.password_file, 0o600)  # a file that existed keeps its mode otherwise
+    finally:
+        Path(scratch).unlink(missing_ok=True)
     print(issued.api_key)  # stdout, once: the one place it is shown
     errors.print(f"{'registered' if adding else 'new credentials for'} tenant {issued.tenant}\n"
                  f"  Redis: {escape(redacted(args.redis_url))} as user {issued.username}, password in "

@@ -7,6 +7,7 @@ on decoding alike, so a bad value is refused with a clear message wherever it en
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import ssl
@@ -169,6 +170,10 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
             raise ValueError(f"give exactly one of prompt, messages, prompt_ids; got {given or 'none'}")
         if self.prompt_ids is not None and any(t < 0 for t in self.prompt_ids):
             raise ValueError("prompt_ids must be non-negative token ids")
+        # NaN never compares true: a NaN deadline would silently never expire
+        for name in ("deadline", "submitted_at"):
+            if (value := getattr(self, name)) is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite unix time, got {value}")
         # Each field's own length is checked as it is decoded (the Meta bounds); this one spans fields.
         if self.messages is not None and (chars := sum(len(m.content) for m in self.messages)) > MAX_PROMPT_CHARS:
             raise ValueError(f"messages: at most {MAX_PROMPT_CHARS} characters of content in all, got {chars}")
@@ -329,6 +334,18 @@ def redacted(url: str) -> str:
         return shown
     except ValueError:
         return "<a Redis URL that does not parse>"
+
+
+# Said wherever a password arrives in a --redis-url flag: any user of the machine reads a
+# process's arguments (ps, /proc/<pid>/cmdline).
+PASSWORD_ON_COMMAND_LINE = ("the password in --redis-url is visible to every user of this machine (ps): "
+                            "give it in a file (--redis-password-file or $STREAMBATCH_REDIS_PASSWORD_FILE), "
+                            "or the URL in $STREAMBATCH_REDIS_URL")
+
+
+def has_password(url: str) -> bool:
+    """Whether the URL carries a password (or might: one that does not parse)."""
+    return redacted(url) != url
 
 
 # --- Redis layout ----------------------------------------------------------------------

@@ -13,9 +13,26 @@ JSON types only:
     job = queue.enqueue(rq_jobs.generate, "Why is the sky blue?", params={"max_tokens": 64},
                         on_stopped=rq_jobs.CANCEL_ON_STOP, retry=Retry(max=2))
     job.latest_result(timeout=60).return_value  # {"text": ..., "finish_reason": "stop", "usage": {...}, ...}
-    queue.enqueue(rq_jobs.batch, "/data/in.jsonl", "/data/out.jsonl", on_stopped=rq_jobs.CANCEL_ON_STOP)
+    queue.enqueue(rq_jobs.batch, "in.jsonl", "out.jsonl", on_stopped=rq_jobs.CANCEL_ON_STOP)
 
-    $ rq worker llm --serializer rq.serializers.JSONSerializer --url redis://redis:6379/0
+    $ streambatch-rq-worker llm --url redis://redis:6379/0 --batch-dir /data/batches
+
+rq queues are per team. rq has no access control of its own: whoever can write rq's keys
+(`rq:*`) in a Redis database can enqueue any function on every queue there, and a plain
+`rq worker` imports and runs it (`subprocess.getoutput`, `os.system`). So each team's rq lives
+in a Redis database of its own, reached only by that team's ACL user: Redis ACLs grant keys,
+not databases, so no other team's user may both SELECT that database and write `rq:*` (a server
+of its own is simplest). The streambatch tenant users of producer/acl.py deliberately cannot
+touch rq's keys: they are no way onto a queue. Jobs on another database or server than
+streambatch's name it with `url=`. streambatch-rq-worker (producer/rq_worker.py) runs these
+jobs and refuses every other function; it always uses the JSON serializer.
+
+Batch files live in one directory, the rq worker's batch directory (`$STREAMBATCH_BATCH_DIR`,
+which streambatch-rq-worker sets from `--batch-dir`): a batch's two paths are relative to it, or
+absolute inside it, and one that resolves outside it (an absolute path elsewhere, `..`, a
+symlink that points out) is refused before any file is opened. A worker without a batch
+directory refuses every batch. The output is written as a new file, never through a link
+planted at its path.
 
 Which Redis: a job reaches streambatch on the server its rq worker uses (the job's own
 connection), unless given `url=`: another server, TLS with certificate options, Sentinel or
@@ -45,8 +62,9 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 import msgspec
@@ -62,6 +80,7 @@ from producer.errors import InvalidRequest
 from producer.protocol import Request
 from producer.submission import build_request
 
+BATCH_DIR_ENV = "STREAMBATCH_BATCH_DIR"
 LINE_KEYS = frozenset({"prompt", "messages", "prompt_ids", "params", "lane", "request_id", "deadline"})
 # rq's own job ids (uuid4) qualify; '_' is kept out so that a batch's `_<n>` cannot collide.
 _VERBATIM_JOB_ID = re.compile(r"[A-Za-z0-9-]{1,40}")
@@ -69,6 +88,10 @@ _VERBATIM_JOB_ID = re.compile(r"[A-Za-z0-9-]{1,40}")
 
 class Terminated(Exception):
     """The work horse got SIGTERM while the job ran."""
+
+
+class BatchRefused(Exception):
+    """A batch path outside the rq worker's batch directory, or no batch directory at all."""
 
 
 def generate(prompt: str | None = None, *, messages: list[dict] | None = None, prompt_ids: list[int] | None = None,
@@ -91,17 +114,18 @@ def batch(input_path: str, output_path: str, *, url: str | None = None, prefix: 
     """Every non-blank line of the JSONL file `input_path` is a request (an object with
     Producer.submit's keys); all are submitted, then their Completions are written to
     `output_path` as JSONL in input order (a line that is no valid request gets an error
-    Completion in its place). The files are the worker's: paths on its file system. Progress in
-    job.meta: {"done": results written, "total": lines}. -> {"total": lines, "errors": results
-    that ended in error}."""
+    Completion in its place). The files are the worker's, in its batch directory (batch_path).
+    Progress in job.meta: {"done": results written, "total": lines}. -> {"total": lines,
+    "errors": results that ended in error}."""
     job = _current_job()
-    lines = read_batch(input_path, job.id)
+    source, target = batch_path(input_path), batch_path(output_path)  # both refused before either is opened
+    lines = read_batch(source, job.id)
     job.meta.update(done=0, total=len(lines))
     job.save_meta()
     submitted: list[str] = []
-    partial = f"{output_path}.partial"  # a half-written output never looks finished
+    partial = Path(f"{target}.partial")  # a half-written output never looks finished
     with (_producer(job.connection, url, prefix) as producer, _cancelled_if_final(producer, job, submitted),
-          open(partial, "wb") as output):
+          _new_file(partial) as output):
         outcomes: list[Handle | Completion] = []
         for line in lines:
             if isinstance(line, Request):
@@ -116,7 +140,7 @@ def batch(input_path: str, output_path: str, *, url: str | None = None, prefix: 
             output.write(msgspec.json.encode(completion) + b"\n")
             job.meta["done"] = done
             job.save_meta()
-    os.replace(partial, output_path)
+    os.replace(partial, target)  # replaces a link at `target` itself, never what it points to
     return {"total": len(lines), "errors": errors}
 
 
@@ -126,7 +150,7 @@ def cancel_stopped(job: Job, connection: redis.Redis) -> None:
     arguments = inspect.signature(job.func).bind(*job.args, **job.kwargs)
     arguments.apply_defaults()
     if job.func is batch:
-        request_ids = [line.id for line in read_batch(arguments.arguments["input_path"], job.id)
+        request_ids = [line.id for line in read_batch(batch_path(arguments.arguments["input_path"]), job.id)
                        if isinstance(line, Request)]
     else:
         request_ids = [job_request_id(job.id)]
@@ -138,11 +162,26 @@ def cancel_stopped(job: Job, connection: redis.Redis) -> None:
 CANCEL_ON_STOP = Callback(cancel_stopped)
 
 
-def read_batch(path: str, job_id: str) -> list[Request | Completion]:
-    """Each non-blank line of a batch file as the Request to submit, or as the error Completion
-    that takes the place of a line that is no valid request."""
+def batch_path(path: str) -> Path:
+    """`path` (relative to the rq worker's batch directory, or absolute) resolved, symlinks
+    followed; BatchRefused unless it is inside the batch directory, or when there is none."""
+    directory = os.environ.get(BATCH_DIR_ENV)
+    if not directory:
+        raise BatchRefused(f"batch jobs are off on this rq worker: it has no batch directory "
+                           f"(${BATCH_DIR_ENV}, streambatch-rq-worker --batch-dir)")
+    root = Path(directory).resolve()
+    resolved = (root / path).resolve()
+    if not resolved.is_relative_to(root):
+        raise BatchRefused(f"batch path {path!r} is outside the batch directory {root}")
+    return resolved
+
+
+def read_batch(path: Path, job_id: str) -> list[Request | Completion]:
+    """Each non-blank line of a batch file (a batch_path) as the Request to submit, or as the
+    error Completion that takes the place of a line that is no valid request."""
     base = job_request_id(job_id)
-    with open(path, encoding="utf-8") as file:
+    # O_NOFOLLOW: a symlink put in place of the file after batch_path resolved it is not followed.
+    with open(path, encoding="utf-8", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW)) as file:
         return [_line_request(text, f"{base}_{number}") for number, text in enumerate(file, 1) if text.strip()]
 
 
@@ -182,6 +221,15 @@ def _line_request(text: str, default_id: str) -> Request | Completion:
         return build_request(**fields)
     except (msgspec.DecodeError, InvalidRequest) as error:
         return Completion(default_id, "", [], "error", error=f"invalid_request: {error}")
+
+
+def _new_file(path: Path) -> BinaryIO:
+    """`path` created afresh for writing: whatever is there (an earlier attempt's file, a planted
+    symlink or hard link) is unlinked, never written through, and O_EXCL refuses one that
+    reappears before the open."""
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
 
 
 def _current_job() -> Job:

@@ -75,11 +75,13 @@ def launch():
 @contextlib.contextmanager
 def private_redis(workdir, password: str | None = None, *, username: str | None = None,
                   options: tuple[str, ...] = (), tls: dict[str, str] | None = None,
+                  launcher: tuple[str, ...] = (), env: dict[str, str] | None = None,
                   ) -> Iterator[tuple[str, subprocess.Popen]]:
     """A redis-server of our own on a free port (never a shared one), with `password` if given
     (`requirepass`, or that of `username` when its `options` load an ACL file); with `tls` (the
     ssl_* options of a client it trusts; its own TLS flags go in `options`) it listens on TLS
-    only. -> (its URL without the password, the process), stopped on the way out."""
+    only; with `launcher`, started by that command (given redis-server's arguments, in `env`)
+    instead. -> (its URL without the password, the process), stopped on the way out."""
     import shutil
     import socket
     import time
@@ -93,10 +95,10 @@ def private_redis(workdir, password: str | None = None, *, username: str | None 
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     ports = ["--port", "0", "--tls-port", str(port)] if tls else ["--port", str(port)]
-    process = subprocess.Popen([binary, *ports, "--bind", "127.0.0.1", "--save", "",
+    process = subprocess.Popen([*(launcher or [binary]), *ports, "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no", "--dir", str(workdir),
                                 *(["--requirepass", password] if password and not username else []), *options],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url, username=username, password=password, **(tls or {}))
     try:

@@ -12,7 +12,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from ops.demo import free_port
-from producer.protocol import redacted
+from producer.protocol import PASSWORD_ON_COMMAND_LINE, redacted
+from worker.config import password_on_command_line
 from tests.conftest import private_redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +46,8 @@ ENTRY_POINTS = {
     "producer, bad port": (["producer", "--redis-url", f"redis://:{SECRET}@127.0.0.1:notaport/0", "stats"],
                            "bad --redis-url"),
     "producer, from the variable": (["producer", "stats"], "cannot reach Redis"),
+    "producer tenant add": (["producer", "--redis-url", "{wrong}", "tenant", "add", "team-x", "--password-file",
+                             "{scratch}/team-x.password"], "refused"),
     "worker, refused": (["worker", "--model", "random:llama", "--redis-url", "{wrong}"], "error"),
     "worker, unreachable": (["worker", "--model", "random:llama", "--redis-url", "{unreachable}"],
                             "worker.waiting_for_redis"),
@@ -64,11 +67,12 @@ def guarded_redis(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
-def test_no_entry_point_prints_the_redis_password(name, guarded_redis):
+def test_no_entry_point_prints_the_redis_password(name, guarded_redis, tmp_path):
     """Each runs until it has said what it says of that URL (a tool that goes on to start a private
     deployment is stopped there), and every line it wrote is read."""
     argv, said = ENTRY_POINTS[name]
-    urls = {"wrong": with_password(guarded_redis), "unreachable": with_password(guarded_redis, free_port())}
+    urls = {"wrong": with_password(guarded_redis), "unreachable": with_password(guarded_redis, free_port()),
+            "scratch": str(tmp_path)}
     command = [sys.executable, "-m", *(arg.format(**urls) for arg in argv)]
     environ = os.environ | {"STREAMBATCH_REDIS_URL": urls["unreachable"], "COLUMNS": "200"}
     process = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -114,3 +118,30 @@ def test_a_password_kept_in_a_file_reaches_a_guarded_redis_from_the_worker_and_t
     wrong = subprocess.run([sys.executable, "-m", "producer", "--redis-url", guarded_redis, "stats"], cwd=ROOT,
                            env=os.environ | {"COLUMNS": "200"}, capture_output=True, text=True, timeout=30)
     assert wrong.returncode == 1 and "refused" in wrong.stderr  # no password, no entry
+
+
+def test_a_password_on_the_command_line_is_warned_about_and_one_from_the_environment_is_not(guarded_redis):
+    """ps shows every user of the machine a process's arguments: the worker and the CLI say so, once."""
+    url = with_password(guarded_redis, free_port())
+    assert password_on_command_line(["--redis-url", url]) and not password_on_command_line(["--redis-url", guarded_redis])
+    assert not password_on_command_line([])  # the URL from $STREAMBATCH_REDIS_URL: not in argv
+    environ = os.environ | {"COLUMNS": "400"}
+    flagged = subprocess.run([sys.executable, "-m", "producer", "--redis-url", url, "stats"], cwd=ROOT, env=environ,
+                             capture_output=True, text=True, timeout=60)
+    from_variable = subprocess.run([sys.executable, "-m", "producer", "stats"], cwd=ROOT, capture_output=True,
+                                   env=environ | {"STREAMBATCH_REDIS_URL": url}, text=True, timeout=60)
+    assert PASSWORD_ON_COMMAND_LINE in flagged.stderr and SECRET not in flagged.stderr + flagged.stdout
+    assert "visible to every user" not in from_variable.stderr and "cannot reach Redis" in from_variable.stderr
+    worker = subprocess.Popen([sys.executable, "-m", "worker", "--model", "random:llama", "--redis-url", url], cwd=ROOT,
+                              env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in worker.stdout:
+            lines.append(line)
+            if "worker.waiting_for_redis" in line:
+                break
+    finally:
+        worker.kill()
+        worker.wait()
+    output = "".join(lines)
+    assert "worker.password_on_command_line" in output and SECRET not in output, output[-2000:]

@@ -11,13 +11,18 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from worker.config import parse_config
+from producer.protocol import PASSWORD_ON_COMMAND_LINE
+from worker.config import parse_config, password_on_command_line
 from worker.logs import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level)
+    if password_on_command_line(argv):
+        import structlog
+
+        structlog.get_logger("worker").warning("worker.password_on_command_line", advice=PASSWORD_ON_COMMAND_LINE)
     # only now: --help and a bad flag answer at once, without loading torch and transformers
     import redis
     import torch

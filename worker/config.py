@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from producer.protocol import DEFAULT_REPLAY_TTL_S
+from producer.protocol import DEFAULT_REPLAY_TTL_S, has_password
 from worker.engine.config import EngineConfig
 from worker.engine.scheduler_config import SchedulerConfig
 
@@ -89,7 +89,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 WORKER_FLAGS = {
     "redis_url": "Redis URL",
-    "redis_password_file": "a file holding the Redis password (a compose secret: /run/secrets/redis_password), "
+    "redis_password_file": "a file holding the Redis password (a compose secret: /run/secrets/redis_worker_password), "
                            "in place of one in the URL",
     "name": "this worker's name, unique among live workers: its heartbeat key, and its consumer in the group "
             "with a suffix new at every start (default: host-pid)",
@@ -163,6 +163,12 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         return msgspec.convert(raw | {"engine": engine}, WorkerConfig, strict=False)
     except (msgspec.ValidationError, ValueError) as error:
         parser.error(str(error))
+
+
+def password_on_command_line(argv: Sequence[str] | None = None) -> bool:
+    """Whether --redis-url, given as a flag, carries a password (which `ps` shows)."""
+    url = build_parser().parse_known_args(argv)[0].redis_url
+    return url is not None and has_password(url)
 
 
 def _engine_option(name: str, value: Any) -> Any:

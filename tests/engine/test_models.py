@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +76,25 @@ def test_hf_directory_loads(tmp_path):
     meta = AttentionMetadata.build([0], [4], [[0]], 8, kv_caches=allocate_kv_cache(ModelInfo.from_model(model), 1, 8))
     with torch.inference_mode():
         assert run_model(model, torch.tensor([5, 6, 7, 8]), meta).shape == (1, 512)
+
+
+class Planted:
+    """What a pickled checkpoint may hold: code that runs as it is unpickled."""
+
+    def __reduce__(self):
+        return (Path.touch, (Path(os.environ["PLANTED_MARKER"]),))
+
+
+def test_a_pickled_checkpoint_is_refused_unloaded(tmp_path, monkeypatch):
+    random_model("random:llama").save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    with open(tmp_path / "pytorch_model.bin", "wb") as out:
+        pickle.dump({"planted": Planted()}, out)
+    with pytest.raises(OSError, match="safetensors"):
+        load_model(str(tmp_path), "float32")
+    assert not marker.exists(), "the pickle ran"
 
 
 @pytest.mark.parametrize("name, error, match", [

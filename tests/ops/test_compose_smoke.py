@@ -21,7 +21,8 @@ def test_the_cpu_stack_serves_survives_a_kill_and_is_hardened(tmp_path):
                            capture_output=True, text=True, timeout=1700)
     assert smoke.returncode == 0, smoke.stdout[-4000:] + smoke.stderr[-4000:]
     result = json.loads(figures.read_text())
-    assert result["request_text"]
+    assert result["request_text"] and result["tenant"]["registered"]
+    assert len(result["tenant_refused"]) == 7
     assert result["kill"]["attempts"] == [1, 2] and result["kill"]["same_tokens_as_undisturbed"]
     assert len(result["prometheus_targets_up"]) == 2
     hardening = result["hardening"].values()

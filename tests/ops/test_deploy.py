@@ -99,23 +99,61 @@ def test_containerfiles_pass_hadolint(containerfile):
 
 def test_passwords_come_from_secret_files_never_from_the_environment_or_a_command_line():
     """What `podman inspect` shows of a running stack (ops/compose_smoke.py checks that too)."""
-    project = compose({"REDIS_PASSWORD_FILE": "/somewhere/redis_password"})
-    assert project["secrets"]["redis_password"] == {"file": "/somewhere/redis_password"}
-    assert compose()["secrets"]["redis_password"] == {"file": "./secrets/redis_password"}
+    project = compose({"REDIS_WORKER_PASSWORD_FILE": "/somewhere/worker", "REDIS_OPERATOR_PASSWORD_FILE": "/o"})
+    assert project["secrets"]["redis_worker_password"] == {"file": "/somewhere/worker"}
+    assert project["secrets"]["redis_operator_password"] == {"file": "/o"}
+    assert compose()["secrets"]["redis_worker_password"] == {"file": "./secrets/redis_worker_password"}
     services = project["services"]
     redis = services["redis"]
-    assert redis["secrets"] == ["redis_password"] and "environment" not in redis
-    script = redis["command"][-1]
-    assert "requirepass" in script and "$(cat /run/secrets/redis_password)" in script and "/run/redis" in redis["tmpfs"]
-    assert "$(cat /run/secrets/redis_password)" in " ".join(redis["healthcheck"]["test"])
+    assert redis["secrets"] == ["redis_worker_password", "redis_operator_password"] and "environment" not in redis
+    assert redis["command"][:2] == ["sh", "/etc/streambatch/redis/start.sh"]
+    assert "./ops/redis:/etc/streambatch/redis:ro" in redis["volumes"]
+    assert "--user operator" in " ".join(redis["healthcheck"]["test"])
+    assert "$(cat /run/secrets/redis_operator_password)" in " ".join(redis["healthcheck"]["test"])
     for name, service in worker_services(services).items():
-        assert service["environment"]["STREAMBATCH_REDIS_URL"] == "redis://redis:6379/0", name
-        assert service["environment"]["STREAMBATCH_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password", name
-        assert "redis_password" in service["secrets"], name
+        assert service["environment"]["STREAMBATCH_REDIS_URL"] == "redis://worker@redis:6379/0", name
+        assert service["environment"]["STREAMBATCH_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_worker_password"
+        assert service["secrets"] == ["redis_worker_password"], name
+    tools = services["tools"]
+    assert tools["environment"] == {"STREAMBATCH_REDIS_URL": "redis://operator@redis:6379/0",
+                                    "STREAMBATCH_REDIS_PASSWORD_FILE": "/run/secrets/redis_operator_password"}
+    assert tools["secrets"] == ["redis_operator_password"] and tools["profiles"] == ["tools"]
     assert services["grafana"]["environment"] == {"GF_SECURITY_ADMIN_PASSWORD__FILE": "/run/secrets/grafana_admin_password"}
     for name, service in services.items():
         for value in list(service.get("environment", {}).values()) + list(service.get("command", [])):
             assert not re.search(r"redis://[^@/]*:[^@/]*@|PASSWORD=\S", str(value)), (name, value)
+
+
+def test_redis_loads_the_acl_file_made_from_the_key_layout_and_limits_what_clients_send():
+    from producer.acl import users_acl
+    from producer.protocol import MAX_ENTRY_BYTES, Keys
+
+    assert (ROOT / "ops/redis/users.acl").read_text() == users_acl(Keys()), "run: python -m producer.acl"
+    arguments = compose()["services"]["redis"]["command"][2:]
+    options = dict(zip(arguments[::2], arguments[1::2]))
+    assert "--requirepass" not in options and "--aclfile" not in options  # start.sh gives the file
+    assert int(options["--proto-max-bulk-len"].removesuffix("mb")) * 2**20 >= 2 * MAX_ENTRY_BYTES
+    limits = options["--client-output-buffer-limit"].split()
+    assert limits[limits.index("pubsub") + 1] == "8mb", "a stalled subscriber would cost Redis unbounded memory"
+
+
+def test_every_container_has_a_pid_and_a_memory_limit():
+    services = compose()["services"]
+    for name, service in services.items():
+        assert isinstance(service.get("pids_limit"), int) and service["pids_limit"] <= 512, name
+        assert re.fullmatch(r"\d+[mg]", service.get("mem_limit", "")), name
+    redis = services["redis"]
+    maxmemory = dict(zip(redis["command"][2::2], redis["command"][3::2]))["--maxmemory"]
+    assert maxmemory == "1gb" and redis["mem_limit"] == "2g", "Redis's container limit must exceed maxmemory"
+
+
+def test_the_runtime_image_has_no_compiler():
+    stages = DOCKERFILE.read_text().split("\nFROM ")
+    assert len(stages) == 3, "a build stage and a runtime stage"
+    build, runtime = stages[1], stages[2]
+    assert "AS build" in build.splitlines()[0] and "g++" in build and "worker.prepare" in build
+    assert not re.search(r"g\+\+|gcc|clang|build-essential", runtime), "a compiler in the runtime stage"
+    assert "COPY --from=build /opt/streambatch /opt/streambatch" in runtime
 
 
 def test_every_service_drops_its_capabilities_and_runs_read_only_where_it_can():
@@ -151,7 +189,7 @@ def test_every_worker_service_can_be_scaled_and_is_scraped():
     services = compose()["services"]
     workers = worker_services(services)
     built = {name for name, service in services.items() if "build" in service}
-    assert built == set(workers) and {"worker", "worker-cpu"} <= built, "a worker Prometheus would not find"
+    assert built == set(workers) | {"tools"} and {"worker", "worker-cpu"} <= built, "a worker Prometheus would not find"
     for name, service in workers.items():
         assert "container_name" not in service and "ports" not in service, f"{name} could not be scaled"
         assert service["environment"]["STREAMBATCH_METRICS_PORT"] == "9100", name
@@ -198,14 +236,14 @@ def test_the_image_runs_the_console_script_offline_and_not_as_root():
     instructions = dockerfile_instructions()
     environment = " ".join(args for keyword, args in instructions if keyword == "ENV")
     assert "HF_HUB_OFFLINE=1" in environment and "TRANSFORMERS_OFFLINE=1" in environment
-    (user,) = [args for keyword, args in instructions if keyword == "USER"]
-    assert user.split(":")[0] not in ("root", "0")
+    users = [args for keyword, args in instructions if keyword == "USER"]
+    assert users and all(user.split(":")[0] not in ("root", "0") for user in users)
     (entrypoint,) = [args for keyword, args in instructions if keyword == "ENTRYPOINT"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert entrypoint == '["streambatch-worker"]' and "streambatch-worker" in scripts
 
 
-@pytest.mark.parametrize("script", ["streambatch-worker", "streambatch"])
+@pytest.mark.parametrize("script", ["streambatch-worker", "streambatch", "streambatch-rq-worker"])
 def test_console_scripts_answer_help(script, capsys):
     module, function = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][script].split(":")
     with pytest.raises(SystemExit) as exit_info:

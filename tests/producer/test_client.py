@@ -197,6 +197,7 @@ def test_a_full_lane_refuses_and_frees_the_id(redis_url, worker):
     ({"messages": [{"role": "bot", "content": "y"}]}, r"messages\[0\].role: invalid enum value 'bot'"),
     ({"prompt_ids": [1, -2]}, r"prompt_ids must be non-negative token ids"),
     ({"prompt": "x", "deadline": 30.0}, r"deadline 30.0 is in the past"),
+    ({"prompt": "x", "deadline": float("nan")}, r"deadline must be a finite unix time, got nan"),
 ])
 def test_bad_requests_are_refused_before_reaching_redis(producer, kwargs, message):
     with pytest.raises(ValueError, match="invalid request: " + message):

@@ -28,6 +28,14 @@ KEYS = Keys("sb")
 COMPLETION_KEYS = {"id", "text", "token_ids", "finish_reason", "usage", "timings", "error", "logprobs", "attempts"}
 
 
+@pytest.fixture(autouse=True)
+def batch_dir(tmp_path, monkeypatch):
+    """The rq workers' batch directory ($STREAMBATCH_BATCH_DIR, inherited by an `rq worker`
+    process too): the test's tmp_path, where its batch files are."""
+    monkeypatch.setenv(rq_jobs.BATCH_DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
 @pytest.fixture
 def client(redis_url):
     connection = redis.Redis.from_url(redis_url)

@@ -68,3 +68,20 @@ def test_add_rotate_list_remove(secured, tmp_path, capsys):
     assert main(flags + ["tenant", "remove", "team-a"]) == 0
     assert not logs_in(host, "tenant-team-a", new_password) and not operator.hexists(KEYS.tenants, "team-a")
     assert "tenant-team-a" not in acl.read_text()
+
+
+def test_nothing_is_issued_when_the_password_file_cannot_be_written_and_a_refusal_keeps_the_old_one(
+        secured, tmp_path, capsys):
+    flags, host, acl = secured
+    assert main(flags + ["tenant", "add", "team-a", "--password-file", str(tmp_path / "missing/dir/pw")]) == 1
+    assert "--password-file" in capsys.readouterr().err
+    operator = redis.Redis.from_url(f"redis://{host}", username=OPERATOR_USER, password=OPERATOR_PASSWORD)
+    assert not operator.hexists(KEYS.tenants, "team-a") and "tenant-team-a" not in acl.read_text()
+
+    kept = tmp_path / "team-a-password"
+    assert main(flags + ["tenant", "add", "team-a", "--password-file", str(kept)]) == 0
+    password = kept.read_text()
+    assert main(flags + ["tenant", "rotate-key", "team-b", "--password-file", str(kept)]) == 1  # no such tenant
+    assert "no tenant 'team-b'" in capsys.readouterr().err
+    assert kept.read_text() == password and logs_in(host, "tenant-team-a", password.strip())
+    assert sorted(path.name for path in tmp_path.iterdir() if "team-a-password" in path.name) == ["team-a-password"]

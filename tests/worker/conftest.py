@@ -120,8 +120,8 @@ def is_ready(client, name: str) -> bool:
     return value is not None and json.loads(value)["state"] == "ready"
 
 
-def backlog(client) -> int:
-    return sum(client.xlen(KEYS.requests(lane)) for lane in LANES)
+def backlog(client, keys: Keys = KEYS) -> int:
+    return sum(client.xlen(keys.requests(lane)) for lane in LANES)
 
 
 def tokens_of(events: list) -> list[int]:

@@ -1,5 +1,5 @@
 """The Redis ACL roles (producer/acl.py) on a real redis-server loaded with their ACL file, the
-default user off: each role does its whole job (a request of tenant A from producer to worker to
+no one logged in as the default user: each role does its whole job (a request of tenant A from producer to worker to
 consumer, cancels, bad entries, stats, the registry), and each is refused, with NOPERM, what it
 must not do, attacks on tenant B included. The refusals are counted and printed."""
 
@@ -140,7 +140,7 @@ def test_each_role_does_its_whole_job_and_is_refused_everything_else(secured, ma
     for role, attempts in (("tenant", tenant_attempts), ("worker", worker_attempts), ("operator", operator_attempts)):
         assert refused(attempts) == [], f"the {role} role was let do these"
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(url).ping()  # the default user is off
+        redis.Redis.from_url(url).ping()  # not logged in: no one is the default user
     with capsys.disabled():
         print(f"\nACL refusals: tenant {len(tenant_attempts)}, worker {len(worker_attempts)}, "
               f"operator {len(operator_attempts)}, default user 1")

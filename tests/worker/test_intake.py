@@ -39,6 +39,9 @@ def test_a_valid_request_decodes():
     ({FIELD: pack({"id": "two", "prompt": "a", "prompt_ids": [5]})}, "two", "exactly one of"),
     ({FIELD: pack({"id": "u", "prompt_ids": [5], "sneaky": 1})}, "u", "unknown field `sneaky`"),
     ({FIELD: pack({"id": "v", "prompt_ids": [5], "v": 2})}, "v", "unsupported protocol version"),
+    # NaN compares false with every time: such a deadline never expired, and the request ran anyway
+    ({FIELD: pack({"id": "d", "prompt_ids": [5], "deadline": float("nan")})}, "d", "deadline must be a finite"),
+    ({FIELD: pack({"id": "s", "prompt_ids": [5], "submitted_at": float("-inf")})}, "s", "submitted_at must be"),
     # a surrogate in CESU-8 (what some other languages' encoders write): not UTF-8
     ({FIELD: b"\x82\xa2id\xa4utf8\xa6prompt\xa3\xed\xa0\x80"}, "utf8", "invalid request"),
 ])

@@ -4,7 +4,9 @@ latencies by lane; the heartbeat key carries the worker's live stats with a TTL.
 import json
 import urllib.request
 
-from producer.protocol import Request
+import msgspec
+
+from producer.protocol import Request, Tenant, encode
 
 from .conftest import KEYS, backlog, greedy, run_until, submit
 
@@ -63,3 +65,20 @@ def test_metrics_endpoint_and_heartbeat(make_worker, client):
     assert stats["in_flight"] == 1 and stats["waiting"] == 0 and 0 < stats["kv_usage"] < 1
     assert stats["tokens_per_s"] > 0 and (stats["state"], stats["phase"]) == ("ready", "")
     assert 0 < client.pttl(KEYS.worker("w1")) <= worker.config.heartbeat_ttl_ms
+
+
+def test_metrics_and_the_heartbeat_carry_no_request_text_id_or_tenant_secret(make_worker, client):
+    """Anyone on the metrics port's network may scrape it: it holds counts, never what was asked."""
+    api_key_sha256 = "ab" * 32
+    client.hset(KEYS.tenants, "team-a", msgspec.json.encode(Tenant(api_key_sha256=api_key_sha256)))
+    client.hset(KEYS.pins, "pin-secret-name", encode(Request(prompt="pin-secret-text")))
+    worker = make_worker(metrics_port=0)
+    submit(client, Request(id="id-secret-1", prompt_ids=list(range(5, 40)), params=greedy(4)), keys=KEYS.of("team-a"))
+    submit(client, Request(id="id-secret-2", prompt="text-secret", params=greedy(4)))  # refused: no tokenizer
+    run_until([worker], lambda: backlog(client) == 0 and backlog(client, KEYS.of("team-a")) == 0
+              and not worker.flights)
+    worker.housekeeping()
+    with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_server.server_port}/metrics", timeout=5) as reply:
+        exposed = reply.read().decode() + client.get(KEYS.worker("w1")).decode()
+    assert scrape(worker.metrics_server.server_port)["streambatch:prompt_tokens_total"] == 35
+    assert "secret" not in exposed and api_key_sha256 not in exposed

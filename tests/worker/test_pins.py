@@ -9,7 +9,7 @@ import pytest
 import structlog
 
 from producer import AsyncProducer, Producer
-from producer.protocol import DoneEvent, Request, decode_request, encode
+from producer.protocol import MAX_PROMPT_CHARS, DoneEvent, Request, decode_request, encode
 from tests.worker.conftest import KEYS, greedy, offline, prompts_of, replay, run_until, submit, tokens_of
 from worker.engine.models import load_model
 
@@ -82,6 +82,26 @@ def test_pins_written_over_by_hand_are_logged_and_the_worker_keeps_serving(make_
     assert [entry["event"] for entry in logs if entry["event"].startswith(("pins.", "worker.turn"))] == ["pins.unreadable"]
     assert worker.engine.pins == {}  # the key no longer holds the pin
     assert tokens_of(replay(client, "served")) == offline(model, [[5, 6, 7]], [greedy(3)])[0]
+
+def test_an_8_mb_pin_is_refused_by_the_prompt_bound_before_it_is_tokenized(make_worker, client, model):
+    """The red team's 8 MB pin made every worker tokenize it (7 s for each victim request)."""
+    worker = make_worker(engine_options={"num_blocks": 64, "max_model_len": 256})
+
+    class NoTokenizing:
+        def __getattr__(self, name):
+            raise AssertionError(f"the pin reached the tokenizer ({name})")
+
+    worker.engine.tokenizer = NoTokenizing()
+    client.hset(KEYS.pins, "huge", encode(Request(prompt="secret " * 1_200_000)))
+    with structlog.testing.capture_logs() as logs:
+        worker.housekeeping()
+    (refused,) = [entry for entry in logs if entry["event"] == "pin.refused"]
+    assert refused["pin"] == "huge" and str(MAX_PROMPT_CHARS) in refused["reason"]
+    worker.engine.tokenizer = None
+    submit(client, Request(id="served", prompt_ids=[5, 6, 7], params=greedy(3)))
+    run_until([worker], lambda: not worker.flights and not client.xlen(KEYS.requests("normal")))
+    assert worker.engine.pins == {} and tokens_of(replay(client, "served")) == offline(model, [[5, 6, 7]], [greedy(3)])[0]
+
 
 def test_a_pin_published_again_replaces_the_old_prefix(make_worker, producer):
     worker = make_worker()

@@ -6,7 +6,9 @@ would make them: raw XADDs and PUBLISHes inside its own part of the layout."""
 import msgspec
 import pytest
 
-from producer.protocol import FIELD, Keys, Request, Tenant, encode
+from producer import Producer
+from producer.errors import QueueFull
+from producer.protocol import FIELD, LANES, Keys, Request, Tenant, encode
 from worker.config import WorkerConfig
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
@@ -142,3 +144,17 @@ def test_another_tenants_identical_prompt_is_not_served_from_the_prefix_cache(ma
               for request_id, keys in (("first", TEAM_A), ("probe", TEAM_B), ("again", TEAM_A))}
     assert cached == {"first": 0, "probe": 0, "again": 48}
     assert tokens_of(replay(client, "probe", TEAM_B)) == offline(model, [secret], [greedy(4)])[0]
+
+
+def test_one_tenants_flood_fills_only_its_own_queue(redis_url, client):
+    """The red team's 20,000 XADDs in 0.2 s made every team's submit raise QueueFull."""
+    with client.pipeline(transaction=False) as pipe:
+        for lane in LANES:
+            for index in range(120):
+                pipe.xadd(TEAM_A.requests(lane), {FIELD: encode(Request(id=f"{lane}{index}", prompt_ids=[5]))})
+        pipe.execute()
+    with Producer(redis_url, tenant="team-a", max_backlog=100) as team_a, \
+            Producer(redis_url, tenant="team-b", max_backlog=100) as team_b:
+        assert team_b.submit(prompt_ids=[5, 6], params=greedy(2)).id
+        with pytest.raises(QueueFull):
+            team_a.submit(prompt_ids=[5, 6], params=greedy(2))

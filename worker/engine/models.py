@@ -129,9 +129,12 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str
             raise FileNotFoundError(f"no GGUF file at {path}")
         model, tokenizer = _load_gguf(path, dtype)
     elif (Path(name_or_path) / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        # Weights from safetensors only (a pytorch_model.bin is a pickle: loading one runs its
+        # code), and never the directory's own Python (trust_remote_code).
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, use_safetensors=True,
+                                                     trust_remote_code=False)
         if any((Path(name_or_path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
     else:
         raise ValueError(
             f"unknown model {name_or_path!r}: give an HF model directory (with config.json), a .gguf file, "
