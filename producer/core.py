@@ -177,13 +177,14 @@ class ProducerCore:
             lanes[lane] = LaneStats(backlog=_reply(backlog),
                                     pending=0 if isinstance(pending, Exception) else pending["pending"])
         try:
-            workers, dead_letters = yield from self._fleet()
+            workers = yield from self.workers()
+            [dead_letters] = yield Call((command("xlen", self.keys.dead_letters),))
         except NotPermitted:  # a tenant's user sees its own lanes only
             workers = dead_letters = None
         return QueueStats(lanes, workers, dead_letters=dead_letters)
 
-    def _fleet(self) -> Flow:
-        """-> (the live workers, the dead letters' count): the shared keys, the operator's to read."""
+    def workers(self) -> Flow:
+        """-> the live workers (their heartbeats): shared keys, which an operator or a gateway reads."""
         # SCAN, not KEYS: never block the server for the sake of a dashboard.
         names, cursor = [], 0
         while True:
@@ -196,10 +197,8 @@ class ProducerCore:
         heartbeats = [(name, kind) for name, kind in zip(names, kinds) if kind in (b"hash", b"string")]
         values = (yield Call(tuple(command("hgetall" if kind == b"hash" else "get", name)
                                    for name, kind in heartbeats))) if heartbeats else []
-        workers = [parse_heartbeat(name.decode(), value) for (name, _), value in zip(heartbeats, values)
-                   if value]  # an empty value: the heartbeat expired between the two reads
-        [dead_letters] = yield Call((command("xlen", self.keys.dead_letters),))
-        return workers, dead_letters
+        return [parse_heartbeat(name.decode(), value) for (name, _), value in zip(heartbeats, values)
+                if value]  # an empty value: the heartbeat expired between the two reads
 
     def pin(self, prefix: Request) -> Flow:
         """Publish a prefix for every worker to keep pinned, named by the request's id (Keys.pins);
@@ -249,6 +248,17 @@ class ProducerCore:
                 yield from listening.lost(error)
             else:
                 listening.reached()
+
+    def events(self, request_id: str) -> Flow:
+        """-> the request's events so far, in seq order, each once (what `stream` would have
+        delivered by now), without waiting. Raises UnknownRequest or EventsLost as `stream` does."""
+        replay, claim = self.keys.replay(request_id), self.keys.submitted(request_id)
+        entries, replay_exists, submission = yield from _patiently(Call((
+            command("xrange", replay), command("exists", replay), command("get", claim)), raise_on_error=False),
+            Deadline(None, request_id))
+        SubmissionWatch(request_id).check(_readable(submission, claim), bool(replay_exists), events_seen=False)
+        return EventSequencer(request_id).push_replayed([_decoded(fields.get(FIELD), replay)
+                                                         for _, fields in _readable(entries, replay)])
 
     def _subscribe(self, channel: str, clock: Deadline) -> Flow:
         """SUBSCRIBE, and wait for the server's confirmation: through lost connections (each

@@ -409,6 +409,11 @@ def decode_tenant(data: bytes) -> Tenant:
     return _tenant_decoder.decode(data)
 
 
+# In place of a tenant's name or a request id, while a name is made for an ACL pattern
+# (producer/acl.py turns it into `*`): never a real one.
+ANY_NAME = "\x00"
+
+
 class Keys:
     """Every key and channel name (layout v2, see design.md): one tenant's, and the shared ones.
 
@@ -437,7 +442,7 @@ class Keys:
     """
 
     def __init__(self, prefix: str = "sb", tenant: str = DEFAULT_TENANT) -> None:
-        self.prefix, self.tenant = prefix, check_tenant(tenant)
+        self.prefix, self.tenant = prefix, tenant if tenant == ANY_NAME else check_tenant(tenant)
         self.tenant_prefix = f"{prefix}:t:{tenant}:"
         self.cancel_channel = f"{self.tenant_prefix}cancel"
         self.dead_letters = f"{prefix}:dead"
@@ -474,6 +479,11 @@ class Keys:
         """The id's `Submission`: marks it taken (idempotent submit) while the request waits
         and runs, and after it finished as long as its replay stream lives."""
         return f"{self.tenant_prefix}{{{request_id}}}:submitted"
+
+    def response(self, request_id: str) -> str:
+        """The gateway's record of a Responses API request (producer/gateway/render.py's
+        ResponseRecord), set once as it is submitted, for as long as its id may stay taken."""
+        return f"{self.tenant_prefix}{{{request_id}}}:response"
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{name}"

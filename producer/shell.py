@@ -8,6 +8,7 @@ awaitable of that value (`stream` an async iterator), so `await producer.submit(
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from typing import Any
@@ -73,9 +74,26 @@ class ProducerShell:
         return self._collect(self.core.stream(request_id, timeout),
                              lambda events: Completion.from_events(request_id, events))
 
+    def events(self, request_id: str):
+        """-> the request's events so far, in order, without waiting for more."""
+        return self._run(self.core.events(checked_id(request_id)))
+
     def stats(self):
         """-> QueueStats."""
         return self._run(self.core.stats())
+
+    def workers(self):
+        """-> the live workers' heartbeats (WorkerInfo); NotPermitted for a tenant's user."""
+        return self._run(self.core.workers())
+
+    def as_tenant(self, tenant: str, max_backlog: int | None = None):
+        """This producer's connections, acting for another tenant (a gateway serves every tenant
+        on one pair of pools), with that tenant's backlog limit: closing either closes both."""
+        other = copy.copy(self)
+        other.core = ProducerCore(self.keys.of(tenant), max_backlog or self.core.max_backlog, self.core.claim_ttl,
+                                  self.core.poll_interval)
+        other.keys = other.core.keys
+        return other
 
     def pin(self, name: str, prompt: str | None = None, *, messages: list[Message] | list[dict] | None = None,
             prompt_ids: list[int] | None = None):

@@ -37,7 +37,7 @@ from worker.cancels import Cancels
 from worker.claims import Claim, Claims
 from worker.config import WorkerConfig
 from worker.engine.engine import Engine
-from worker.engine.inputs import PromptError
+from worker.engine.inputs import PromptError, PromptTooLong
 from worker.engine.sequence import FinishReason
 from worker.flight import Flight, engine_id
 from worker.heartbeat import Heartbeat, StartupBeat, new_consumer
@@ -381,7 +381,7 @@ class Worker:
                     flight.name, **engine_prompt(request), params=request.params, lane=stream.lane,
                     emitted_token_ids=emitted, cache_salt=stream.tenant.encode())
             except PromptError as error:
-                self.refuse(flight, "invalid_request", str(error))
+                self.refuse(flight, "too_long" if isinstance(error, PromptTooLong) else "invalid_request", str(error))
                 return
             except Exception as error:  # a request the engine cannot take must not fail everyone's turn
                 flight.log.exception("request.unservable")

@@ -4,6 +4,7 @@
     python -m ops.load run [trace options | --trace FILE] [target]    one run: table, JSON, plots
     python -m ops.load sweep --rates 1,2,4 [...]                      the same trace at several loads
     python -m ops.load compare [trace options] [--model M]            continuous vs static (compare.py)
+    python -m ops.load gateway [trace options] [--model M]            direct vs through the OpenAI gateway
 
 The target is a live deployment (--redis-url, with --metrics-url per worker for its counters) or,
 without --redis-url, a private one started for the run: a redis-server and one worker on --model
@@ -23,15 +24,19 @@ saturated run measured. `--model random:llama --count 12` makes a quick run (the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
+from ops.demo import running_gateway
 from ops.tool import run_tool
 from ops.load.compare import LOAD_SHARE, capacity, compare, comparison_table
-from ops.load.report import report_table, summarize, sweep_table, to_json
+from ops.load.report import ALL, report_table, summarize, sweep_table, to_json
 from ops.load.runner import RunResult, private_deployment, run
 from ops.load.trace import at_rate, generate, offered_rate, read_trace, write_trace
 
@@ -74,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="without --rate: the policies' offered load as a share of the capacity the "
                               "saturated run measured")
     command.set_defaults(command=compare_command)
+    command = commands.add_parser("gateway", parents=[trace_options(), target_options(), run_options()],
+                                  help="the same trace directly and through the OpenAI gateway, as ratios")
+    command.set_defaults(command=gateway_command)
     return parser
 
 
@@ -213,6 +221,44 @@ def compare_command(args, console: Console) -> None:
         _say_written(console, [_write(args.out / "compare.json", to_json({"runs": reports, "comparison": comparison})),
                                plots.latency_cdfs(side_by_side, args.out / "latency_cdfs.png"),
                                plots.token_timeline(side_by_side, args.out / "token_timeline.png")])
+
+
+def gateway_command(args, console: Console) -> None:
+    """The trace twice, each on a fresh private worker: through the producer, then through a
+    gateway process; the gateway's price as ratios (gateway / direct)."""
+    if args.redis_url is not None:
+        raise ValueError("gateway starts its own workers and gateway: drop --redis-url")
+    trace = trace_of(args)
+    reports = {}
+    for via in ("direct", "gateway"):
+        console.rule(f"{via}: {len(trace)} requests at {offered_rate(trace):.2f} req/s")
+        with tempfile.TemporaryDirectory(prefix="streambatch-load-gateway-") as scratch, \
+                contextlib.ExitStack() as stack, \
+                private_deployment(shlex.split(args.worker_args), args.model, console=console) as (url, metrics_url):
+            gateway_url = running_gateway(stack, url, Path(scratch))[1] if via == "gateway" else None
+            result = run(trace, url, concurrency=args.concurrency, timeout=args.timeout, metrics_urls=[metrics_url],
+                         console=console, gateway_url=gateway_url)
+        reports[via] = summarize(result)
+        console.print(report_table(reports[via], via))
+    console.print(gateway_table(reports["direct"], reports["gateway"]))
+    if args.out is not None:
+        _say_written(console, [_write(args.out / "gateway.json", to_json(reports))])
+
+
+def gateway_table(direct, gateway) -> Table:
+    """Gateway / direct, all lanes: throughput, and TTFT and ITL at P50 and P99."""
+    table = Table("", "direct", "gateway", "gateway / direct", title="direct vs through the gateway",
+                  title_justify="left")
+    mine, theirs = direct.lanes[ALL], gateway.lanes[ALL]
+    rows = [("output tokens/s", mine.output_tokens_per_s, theirs.output_tokens_per_s, 1.0),
+            ("P50 TTFT", mine.ttft_s.p50, theirs.ttft_s.p50, 1e3), ("P99 TTFT", mine.ttft_s.p99, theirs.ttft_s.p99, 1e3),
+            ("P50 ITL", mine.itl_s.p50, theirs.itl_s.p50, 1e3), ("P99 ITL", mine.itl_s.p99, theirs.itl_s.p99, 1e3)]
+    for name, left, right, scale in rows:
+        unit = "" if scale == 1.0 else " ms"
+        shown = [f"{value * scale:.1f}{unit}" if value is not None else "-" for value in (left, right)]
+        table.add_row(name, *shown, f"{right / left:.3f}x" if left and right is not None else "-")
+    table.add_row("finished requests", str(mine.finished), str(theirs.finished), "")
+    return table
 
 
 def _write(path: Path, data: bytes) -> Path:

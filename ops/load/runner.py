@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.live import Live
@@ -75,21 +76,27 @@ class RunResult:
 
 
 def run(trace: list[TraceRequest], redis_url: str, *, concurrency: int | None = None, timeout: float = 600.0,
-        metrics_urls: Sequence[str] = (), prefix: str = "sb", console: Console | None = None) -> RunResult:
+        metrics_urls: Sequence[str] = (), prefix: str = "sb", console: Console | None = None,
+        gateway_url: str | None = None) -> RunResult:
     """Run the trace; `timeout` bounds the whole run: what has not ended by then is cancelled and
-    recorded as timed out. With a console, a live progress view shows while it runs."""
+    recorded as timed out. With a console, a live progress view shows while it runs. With
+    `gateway_url` (its /v1 base), every request goes through the OpenAI gateway instead of the
+    producer (streamed completions of the trace's token ids, with the openai package)."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    return asyncio.run(_run(trace, redis_url, concurrency, timeout, list(metrics_urls), prefix, console))
+    return asyncio.run(_run(trace, redis_url, concurrency, timeout, list(metrics_urls), prefix, console, gateway_url))
 
 
-async def _run(trace, redis_url, concurrency, timeout, metrics_urls, prefix, console) -> RunResult:
+async def _run(trace, redis_url, concurrency, timeout, metrics_urls, prefix, console, gateway_url) -> RunResult:
     before = await asyncio.to_thread(read_counters, metrics_urls)
     order = sorted(range(len(trace)), key=lambda index: trace[index].arrival_s)
     result = RunResult([], time.perf_counter(), 0.0, None if concurrency else offered_rate(trace),
                        concurrency, total=len(trace))
     deadline = result.started + timeout
     run_id = uuid.uuid4().hex[:8]
+    gateway = None if gateway_url is None else openai.AsyncOpenAI(base_url=gateway_url, api_key="none",
+                                                                  max_retries=0, timeout=timeout)
+    model = None if gateway is None else (await gateway.models.list()).data[0].id
     async with AsyncProducer(redis_url, prefix=prefix) as producer:
         async def one(index: int) -> None:
             request = trace[index]
@@ -98,7 +105,10 @@ async def _run(trace, redis_url, concurrency, timeout, metrics_urls, prefix, con
             record = RequestRecord(label=f"load-{run_id}-{index}", lane=lane, submitted=time.perf_counter(),
                                    index=index, prefix_id=request.prefix_id)
             result.requests.append(record)
-            await _follow(producer, request, record, deadline)
+            if gateway is None:
+                await _follow(producer, request, record, deadline)
+            else:
+                await _follow_gateway(gateway, model, producer, request, record, deadline)
 
         if concurrency is None:
             clients = [_open_loop(trace, order, result.started, one)]
@@ -115,6 +125,8 @@ async def _run(trace, redis_url, concurrency, timeout, metrics_urls, prefix, con
                 if live is not None:
                     live.update(progress_view(result), refresh=True)
         driving.result()
+    if gateway is not None:
+        await gateway.close()
     result.ended = time.perf_counter()
     after = await asyncio.to_thread(read_counters, metrics_urls)
     result.metrics = {name: value - before.get(name, 0.0) for name, value in after.items()}
@@ -157,6 +169,30 @@ async def _follow(producer: AsyncProducer, request: TraceRequest, record: Reques
         await producer.cancel(record.label)  # or the worker goes on with it after the run
     except ProducerError as error:
         record.error = f"stream failed: {error}"
+
+
+async def _follow_gateway(gateway: openai.AsyncOpenAI, model: str, producer: AsyncProducer, request: TraceRequest,
+                          record: RequestRecord, deadline: float) -> None:
+    """As _follow, through the gateway: one streamed completion (a chunk per token event; the lane
+    is the gateway's rule's, OpenAI's API names none); the request's own end (usage, the
+    worker's timings) is then read from Redis by the id it got."""
+    request_id = None
+    try:
+        stream = await gateway.completions.create(
+            model=model, prompt=request.prompt_ids, max_tokens=request.max_tokens, temperature=request.temperature,
+            seed=request.seed, stream=True, extra_body={"ignore_eos": request.ignore_eos},
+            timeout=max(0.001, deadline - time.perf_counter()))
+        async for chunk in stream:
+            request_id = chunk.id
+            if chunk.choices and chunk.choices[0].finish_reason is None:
+                record.arrivals.append((time.perf_counter(), 1))
+        record.finished = time.perf_counter()
+        record.label = request_id
+        record.end = (await producer.events(request_id))[-1]
+    except openai.APITimeoutError:
+        record.error = "timed out"
+    except openai.APIError as error:
+        record.error = f"refused: {error}" if request_id is None else f"stream failed: {error}"
 
 
 async def _sample(producer: AsyncProducer) -> WorkerSample:

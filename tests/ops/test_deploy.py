@@ -105,7 +105,8 @@ def test_passwords_come_from_secret_files_never_from_the_environment_or_a_comman
     assert compose()["secrets"]["redis_worker_password"] == {"file": "./secrets/redis_worker_password"}
     services = project["services"]
     redis = services["redis"]
-    assert redis["secrets"] == ["redis_worker_password", "redis_operator_password"] and "environment" not in redis
+    assert redis["secrets"] == ["redis_gateway_password", "redis_worker_password", "redis_operator_password"]
+    assert "environment" not in redis
     assert redis["command"][:2] == ["sh", "/etc/streambatch/redis/start.sh"]
     assert "./ops/redis:/etc/streambatch/redis:ro" in redis["volumes"]
     assert "--user operator" in " ".join(redis["healthcheck"]["test"])
@@ -118,6 +119,10 @@ def test_passwords_come_from_secret_files_never_from_the_environment_or_a_comman
     assert tools["environment"] == {"STREAMBATCH_REDIS_URL": "redis://operator@redis:6379/0",
                                     "STREAMBATCH_REDIS_PASSWORD_FILE": "/run/secrets/redis_operator_password"}
     assert tools["secrets"] == ["redis_operator_password"] and tools["profiles"] == ["tools"]
+    gateway = services["gateway"]
+    assert gateway["environment"]["STREAMBATCH_REDIS_URL"] == "redis://gateway@redis:6379/0"
+    assert gateway["environment"]["STREAMBATCH_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_gateway_password"
+    assert gateway["secrets"] == ["redis_gateway_password"]
     assert services["grafana"]["environment"] == {"GF_SECURITY_ADMIN_PASSWORD__FILE": "/run/secrets/grafana_admin_password"}
     for name, service in services.items():
         for value in list(service.get("environment", {}).values()) + list(service.get("command", [])):
@@ -168,7 +173,7 @@ def test_every_service_drops_its_capabilities_and_runs_read_only_where_it_can():
 def test_profiles_keep_gpu_workers_off_a_machine_without_gpus():
     services = compose()["services"]
     assert started_by(services, set()) == {"redis"}
-    assert started_by(services, {"cpu"}) == {"redis", "worker-cpu"}
+    assert started_by(services, {"cpu"}) == {"redis", "worker-cpu", "gateway"}
     assert not any(gpu_devices(services[name]) for name in started_by(services, {"cpu", "observability"}))
     assert {"worker", "redis"} <= started_by(services, {"gpu"}) and "worker-cpu" not in started_by(services, {"gpu"})
 
@@ -189,7 +194,8 @@ def test_every_worker_service_can_be_scaled_and_is_scraped():
     services = compose()["services"]
     workers = worker_services(services)
     built = {name for name, service in services.items() if "build" in service}
-    assert built == set(workers) | {"tools"} and {"worker", "worker-cpu"} <= built, "a worker Prometheus would not find"
+    assert built == set(workers) | {"tools", "gateway"} and {"worker", "worker-cpu"} <= built, \
+        "a worker Prometheus would not find"
     for name, service in workers.items():
         assert "container_name" not in service and "ports" not in service, f"{name} could not be scaled"
         assert service["environment"]["STREAMBATCH_METRICS_PORT"] == "9100", name
@@ -260,3 +266,14 @@ def test_the_build_context_holds_what_pip_install_needs_and_no_more():
     needed = {"pyproject.toml", project["project"]["readme"]}
     needed |= {package.rstrip("*") for package in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert kept == needed
+
+
+def test_the_gateway_is_published_on_loopback_checked_at_readyz_and_scraped():
+    gateway = compose()["services"]["gateway"]
+    assert gateway["ports"] == ["127.0.0.1:8000:8000"] and gateway["entrypoint"] == ["streambatch-gateway"]
+    assert "/readyz" in " ".join(gateway["healthcheck"]["test"])
+    assert compose({"GATEWAY_PORTS": "8000-8002"})["services"]["gateway"]["ports"] == ["127.0.0.1:8000-8002:8000"]
+    scrape = yaml.safe_load((ROOT / "ops/prometheus/prometheus.yml").read_text())["scrape_configs"]
+    assert any(sd["names"] == ["streambatch-gateway"] and sd["port"] == 8000
+               for job in scrape for sd in job.get("dns_sd_configs", []))
+    assert "streambatch-gateway" in gateway["networks"]["default"]["aliases"]

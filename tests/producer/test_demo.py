@@ -116,3 +116,13 @@ def test_panels_show_model_output_verbatim_and_crop_to_the_tail():
     screen.print(panels([seen], crop=(3, 60)))
     assert "…line" in screen.file.getvalue() and "last words" in screen.file.getvalue()
     assert "INST" not in screen.file.getvalue()
+
+
+def test_the_demo_ends_with_a_request_through_the_openai_gateway():
+    screen = console()
+    run(screen, redis_url=None, worker_command=FAKE_WORKER, name="demo-gateway", stall_timeout=30, timeout=60,
+        prompts=chosen_prompts(["Why is the sky blue today?"], 3), gateway=True)
+    out = screen.file.getvalue()
+    # the fake worker echoes the prompt's words
+    assert re.search(r"gateway: http://127\.0\.0\.1:\d+/v1 answered 'Say hello in French\.' with 'Say hello in", out), out
+    assert "/v1/chat/completions -H 'Content-Type: application/json'" in out and 'OpenAI(base_url="http' in out

@@ -34,7 +34,7 @@ from worker.engine.blocks import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detok import IncrementalDetokenizer
 from worker.engine.disk_cache import Phase, quiet
-from worker.engine.inputs import PromptError, check_token_ids, encode_prompt
+from worker.engine.inputs import PromptError, PromptTooLong, check_token_ids, encode_prompt
 from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
 from worker.engine.outputs import RequestOutput, timings_of, token_logprob, usage_of
 from worker.engine.plan import StepPlan
@@ -111,7 +111,7 @@ class Engine:
             raise PromptError("this model has no tokenizer: give prompt_ids")
         room = self.max_model_len - params.max_tokens
         if room < 1:
-            raise PromptError(f"max_tokens ({params.max_tokens}) leaves no room for a prompt in the "
+            raise PromptTooLong(f"max_tokens ({params.max_tokens}) leaves no room for a prompt in the "
                               f"model length ({self.max_model_len})")
         token_ids = encode_prompt(self.tokenizer, prompt=prompt, messages=messages, prompt_ids=prompt_ids,
                                   max_prompt_tokens=room, truncate=self.config.truncate,

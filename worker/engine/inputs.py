@@ -27,6 +27,10 @@ class PromptError(ValueError):
     """The prompt cannot be served as given; the message says why."""
 
 
+class PromptTooLong(PromptError):
+    """The prompt (with the output asked for) does not fit the model length."""
+
+
 def encode_prompt(
     tokenizer: Any,
     *,
@@ -73,7 +77,7 @@ def encode_prompt(
 
     if len(ids) > max_prompt_tokens:
         if truncate == "reject":
-            raise PromptError(f"prompt is {'' if whole else 'more than '}{len(ids)} tokens, longer than the "
+            raise PromptTooLong(f"prompt is {'' if whole else 'more than '}{len(ids)} tokens, longer than the "
                               f"limit of {max_prompt_tokens} tokens")
         ids = ids[-max_prompt_tokens:]
     return ids
