@@ -4,7 +4,7 @@
     python -m ops.load run [trace options | --trace FILE] [target]    one run: table, JSON, plots
     python -m ops.load sweep --rates 1,2,4 [...]                      the same trace at several loads
     python -m ops.load compare [trace options] [--model M]            continuous vs static (compare.py)
-    python -m ops.load gateway [trace options] [--model M]            direct vs through the OpenAI gateway
+    python -m ops.load gateway [trace options] [--model M]            each request direct and through the gateway
 
 The target is a live deployment (--redis-url, with --metrics-url per worker for its counters) or,
 without --redis-url, a private one started for the run: a redis-server and one worker on --model
@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import shlex
 import sys
 import tempfile
 from pathlib import Path
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 
@@ -38,7 +40,7 @@ from ops.tool import run_tool
 from ops.load.compare import LOAD_SHARE, capacity, compare, comparison_table
 from ops.load.report import ALL, report_table, summarize, sweep_table, to_json
 from ops.load.runner import RunResult, private_deployment, run
-from ops.load.trace import at_rate, generate, offered_rate, read_trace, write_trace
+from ops.load.trace import TOKEN_IDS, at_rate, generate, offered_rate, read_trace, write_trace
 
 # What every run of a comparison gives the worker besides --policy: seats for a static batch of 16
 # and room in the engine's queue to form it, and a token budget that keeps a step with a prefill
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "saturated run measured")
     command.set_defaults(command=compare_command)
     command = commands.add_parser("gateway", parents=[trace_options(), target_options(), run_options()],
-                                  help="the same trace directly and through the OpenAI gateway, as ratios")
+                                  help="each request twice at once, through the producer and through the OpenAI gateway: ratios")
     command.set_defaults(command=gateway_command)
     return parser
 
@@ -224,25 +226,35 @@ def compare_command(args, console: Console) -> None:
 
 
 def gateway_command(args, console: Console) -> None:
-    """The trace twice, each on a fresh private worker: through the producer, then through a
-    gateway process; the gateway's price as ratios (gateway / direct)."""
+    """Each request of the trace twice, at the same moment, on a fresh private worker with a
+    gateway beside it: once through the producer and once through the gateway (its first token
+    moved to another id, so that neither copy finds the other's blocks in the prefix cache), at
+    half the trace's rate each, so that the worker sees the trace's offered load. Both paths run
+    in the same minutes of the same machine on the same lengths: the gateway's price as ratios."""
     if args.redis_url is not None:
-        raise ValueError("gateway starts its own workers and gateway: drop --redis-url")
-    trace = trace_of(args)
+        raise ValueError("gateway starts its own worker and gateway: drop --redis-url")
+    trace = [twin for request in at_rate(trace_of(args), 0.5) for twin in (_moved(request), request)]
+    with tempfile.TemporaryDirectory(prefix="streambatch-load-gateway-") as scratch, contextlib.ExitStack() as stack, \
+            private_deployment(shlex.split(args.worker_args), args.model, console=console) as (url, metrics_url):
+        gateway_url = running_gateway(stack, url, Path(scratch))[1]
+        result = run(trace, url, concurrency=args.concurrency, timeout=args.timeout, metrics_urls=[metrics_url],
+                     console=console, gateway_url=gateway_url, gateway_every=2)
     reports = {}
-    for via in ("direct", "gateway"):
-        console.rule(f"{via}: {len(trace)} requests at {offered_rate(trace):.2f} req/s")
-        with tempfile.TemporaryDirectory(prefix="streambatch-load-gateway-") as scratch, \
-                contextlib.ExitStack() as stack, \
-                private_deployment(shlex.split(args.worker_args), args.model, console=console) as (url, metrics_url):
-            gateway_url = running_gateway(stack, url, Path(scratch))[1] if via == "gateway" else None
-            result = run(trace, url, concurrency=args.concurrency, timeout=args.timeout, metrics_urls=[metrics_url],
-                         console=console, gateway_url=gateway_url)
-        reports[via] = summarize(result)
-        console.print(report_table(reports[via], via))
+    for via, name in (("producer", "direct"), ("gateway", "gateway")):
+        requests = [record for record in result.requests if record.via == via]
+        share = len(requests) / len(result.requests)
+        reports[name] = summarize(dataclasses.replace(result, requests=requests, total=len(requests),
+                                                      offered_rate=result.offered_rate and result.offered_rate * share))
+        console.print(report_table(reports[name], name))
     console.print(gateway_table(reports["direct"], reports["gateway"]))
     if args.out is not None:
         _say_written(console, [_write(args.out / "gateway.json", to_json(reports))])
+
+
+def _moved(request):
+    """The request with another first token id (one of the generated traces' ids)."""
+    first = request.prompt_ids[0] + 1 if request.prompt_ids[0] + 1 in TOKEN_IDS else TOKEN_IDS[0]
+    return msgspec.structs.replace(request, prompt_ids=[first, *request.prompt_ids[1:]])
 
 
 def gateway_table(direct, gateway) -> Table:

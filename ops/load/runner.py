@@ -53,6 +53,7 @@ class RequestRecord(Watched):
     prefix_id: int | None = None  # the trace's: which shared system prompt it starts with
     finished: float | None = None  # when its terminal event arrived
     error: str | None = None  # why it has no terminal event: refused, timed out, stream failed
+    via: str = "producer"  # or "gateway"
 
 
 @dataclass
@@ -77,17 +78,20 @@ class RunResult:
 
 def run(trace: list[TraceRequest], redis_url: str, *, concurrency: int | None = None, timeout: float = 600.0,
         metrics_urls: Sequence[str] = (), prefix: str = "sb", console: Console | None = None,
-        gateway_url: str | None = None) -> RunResult:
+        gateway_url: str | None = None, gateway_every: int = 1) -> RunResult:
     """Run the trace; `timeout` bounds the whole run: what has not ended by then is cancelled and
     recorded as timed out. With a console, a live progress view shows while it runs. With
-    `gateway_url` (its /v1 base), every request goes through the OpenAI gateway instead of the
-    producer (streamed completions of the trace's token ids, with the openai package)."""
+    `gateway_url` (its /v1 base), every `gateway_every`-th request of the trace (all of them by
+    default) goes through the OpenAI gateway instead of the producer (a streamed completion of its
+    token ids, with the openai package): 2 interleaves the two paths in one run."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    return asyncio.run(_run(trace, redis_url, concurrency, timeout, list(metrics_urls), prefix, console, gateway_url))
+    return asyncio.run(_run(trace, redis_url, concurrency, timeout, list(metrics_urls), prefix, console, gateway_url,
+                            gateway_every))
 
 
-async def _run(trace, redis_url, concurrency, timeout, metrics_urls, prefix, console, gateway_url) -> RunResult:
+async def _run(trace, redis_url, concurrency, timeout, metrics_urls, prefix, console, gateway_url,
+               gateway_every) -> RunResult:
     before = await asyncio.to_thread(read_counters, metrics_urls)
     order = sorted(range(len(trace)), key=lambda index: trace[index].arrival_s)
     result = RunResult([], time.perf_counter(), 0.0, None if concurrency else offered_rate(trace),
@@ -105,10 +109,11 @@ async def _run(trace, redis_url, concurrency, timeout, metrics_urls, prefix, con
             record = RequestRecord(label=f"load-{run_id}-{index}", lane=lane, submitted=time.perf_counter(),
                                    index=index, prefix_id=request.prefix_id)
             result.requests.append(record)
-            if gateway is None:
-                await _follow(producer, request, record, deadline)
-            else:
+            if gateway is not None and index % gateway_every == 0:
+                record.via = "gateway"
                 await _follow_gateway(gateway, model, producer, request, record, deadline)
+            else:
+                await _follow(producer, request, record, deadline)
 
         if concurrency is None:
             clients = [_open_loop(trace, order, result.started, one)]

@@ -326,10 +326,10 @@ def test_compare_runs_both_policies_and_the_fast_lane_saturated_and_not(tmp_path
         assert (tmp_path / plot).read_bytes().startswith(PNG)
 
 
-def test_the_same_trace_direct_and_through_the_gateway_end_to_end(tmp_path):
+def test_each_request_direct_and_through_the_gateway_end_to_end(tmp_path):
     out = load("gateway", *TINY, "--count", "8", "--rate", "20", "--out", str(tmp_path))
     assert "direct vs through the gateway" in out and "gateway / direct" in out
     reports = json.loads((tmp_path / "gateway.json").read_text())
-    for via in ("direct", "gateway"):
+    for via in ("direct", "gateway"):  # each request once each way
         assert (reports[via]["lanes"]["all"]["finished"], reports[via]["lanes"]["all"]["failed"]) == (8, 0), via
     assert reports["gateway"]["lanes"]["all"]["output_tokens"] == reports["direct"]["lanes"]["all"]["output_tokens"]
