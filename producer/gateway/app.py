@@ -34,7 +34,7 @@ from producer.gateway.render import (ChatStream, CompletionStream, ResponseRecor
                                      error_body, failure, response_object, text_completion)
 from producer.gateway.shapes import (DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody, Refused, ResponsesBody,
                                      chat_request, completion_request, decode, new_id, responses_request)
-from producer.protocol import DEFAULT_CLAIM_TTL_S, DEFAULT_REPLAY_TTL_S, TERMINAL, ErrorEvent, Event, Request
+from producer.protocol import DEFAULT_CLAIM_TTL_S, DEFAULT_REPLAY_TTL_S, TERMINAL, Event, Request
 
 FLEET_REFRESH_S = 1.0  # how stale the ready workers' models may be (/v1/models, /readyz, 503)
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
@@ -202,11 +202,7 @@ async def _finished(producer: AsyncProducer, request_id: str) -> list[Event]:
 
 def _failed(events: list[Event]) -> None:
     """Raise the HTTP failure of a request that ended in one."""
-    last = events[-1]
-    if isinstance(last, ErrorEvent):
-        fault = failure("error", f"{last.code}: {last.message}")
-    else:
-        fault = failure(last.finish_reason, last.error)
+    fault = failure(events[-1])
     if fault is not None:
         raise HTTPFailure(fault.status, fault.message, fault.type, fault.code)
 

@@ -29,14 +29,16 @@ class Failure(msgspec.Struct, frozen=True):
     code: str
 
 
-def failure(finish_reason: str, error: str | None) -> Failure | None:
-    """-> the HTTP failure of a request that ended with this finish reason (None: it did not fail).
-    `error` is Completion.error ("<code>: <message>") for an error."""
-    if finish_reason == "deadline":
+def failure(event: DoneEvent | ErrorEvent) -> Failure | None:
+    """-> the HTTP failure of a request that ended with this terminal event (None: it did not fail)."""
+    if isinstance(event, ErrorEvent):
+        code, message = event.code, event.message
+    elif event.finish_reason == "deadline":
         return Failure(504, "the request's deadline passed before a worker started it", "timeout", "deadline")
-    if finish_reason != "error":
+    elif event.finish_reason != "error":
         return None
-    code, _, message = (error or "internal: the request failed").partition(": ")
+    else:
+        code, _, message = (event.error or "internal: the request failed").partition(": ")
     if code in ("invalid_request", "too_long"):
         return Failure(400, message, "invalid_request_error", "context_length_exceeded" if code == "too_long" else code)
     if code == "queue_full":
@@ -89,45 +91,53 @@ def chat_completion(request_id: str, model: str, created: int, completion: Compl
             "usage": _usage(completion.usage)}
 
 
-class ChatStream:
-    """The chunks of a streamed chat completion, as its events come (`push`): one per token event
-    (its text may be empty: part of a character), so a client times every token; an ErrorEvent or
-    a deadline becomes OpenAI's in-stream error object, after which nothing follows."""
+class _ChunkStream:
+    """The chunks of a streamed completion, as its events come (`push`): one per token event (its
+    text may be empty: part of a character), so a client times every token; an ErrorEvent or a
+    deadline becomes OpenAI's in-stream error object, after which nothing follows. A subclass says
+    what a chunk holds."""
+
+    object: str
 
     def __init__(self, request_id: str, model: str, created: int, include_usage: bool) -> None:
-        self.base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        self.base = {"id": request_id, "object": self.object, "created": created, "model": model}
         self.include_usage = include_usage
 
-    def _chunk(self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-        return self.base | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]} | self._usage_field
-
-    @property
-    def _usage_field(self) -> dict:
-        return {"usage": None} if self.include_usage else {}
+    def _chunk(self, choice: dict) -> dict:
+        return self.base | {"choices": [{"index": 0} | choice]} | ({"usage": None} if self.include_usage else {})
 
     def opening(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""})]
+        return []
 
     def push(self, event: Event) -> list[dict]:
         if isinstance(event, TokenEvent):
-            return [self._chunk({"content": event.text}, logprobs=chat_logprobs(event.logprobs))]
-        ended = _ended(event)
-        if ended is not None:
-            return [ended]
-        chunks = [self._chunk({}, FINISH_REASONS[event.finish_reason])]
+            return [self._chunk(self._token(event))]
+        fault = failure(event)
+        if fault is not None:
+            return [error_body(fault.message, fault.type, fault.code)]
+        chunks = [self._chunk(self._last(FINISH_REASONS[event.finish_reason]))]
         if self.include_usage:
             chunks.append(self.base | {"choices": [], "usage": _usage(event.usage)})
         return chunks
 
+    def _token(self, event: TokenEvent) -> dict:
+        raise NotImplementedError
 
-def _ended(event: DoneEvent | ErrorEvent) -> dict | None:
-    """The in-stream error object of an event that ends a request in failure, else None."""
-    if isinstance(event, ErrorEvent):
-        fault = failure("error", f"{event.code}: {event.message}")
-    else:
-        fault = failure(event.finish_reason, event.error)
-    return None if fault is None else error_body(fault.message, fault.type, fault.code)
+    def _last(self, finish_reason: str) -> dict:
+        raise NotImplementedError
+
+
+class ChatStream(_ChunkStream):
+    object = "chat.completion.chunk"
+
+    def opening(self) -> list[dict]:
+        return [self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
+
+    def _token(self, event: TokenEvent) -> dict:
+        return {"delta": {"content": event.text}, "logprobs": chat_logprobs(event.logprobs), "finish_reason": None}
+
+    def _last(self, finish_reason: str) -> dict:
+        return {"delta": {}, "logprobs": None, "finish_reason": finish_reason}
 
 
 # --- Completions ---------------------------------------------------------------------------
@@ -138,34 +148,21 @@ def text_completion(request_id: str, model: str, created: int, completion: Compl
             "usage": _usage(completion.usage)}
 
 
-class CompletionStream:
-    """The chunks of a streamed text completion, as its events come (see ChatStream)."""
+class CompletionStream(_ChunkStream):
+    object = "text_completion"
 
-    def __init__(self, request_id: str, model: str, created: int, include_usage: bool) -> None:
-        self.base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-        self.include_usage = include_usage
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         self.offset = 0  # characters sent: where the next token's text starts
 
-    def _chunk(self, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-        return self.base | {"choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]} | (
-            {"usage": None} if self.include_usage else {})
+    def _token(self, event: TokenEvent) -> dict:
+        choice = {"text": event.text, "logprobs": completion_logprobs(event.logprobs, self.offset),
+                  "finish_reason": None}
+        self.offset += len(event.text)
+        return choice
 
-    def opening(self) -> list[dict]:
-        return []
-
-    def push(self, event: Event) -> list[dict]:
-        if isinstance(event, TokenEvent):
-            chunk = self._chunk(event.text, None, completion_logprobs(event.logprobs, self.offset))
-            self.offset += len(event.text)
-            return [chunk]
-        ended = _ended(event)
-        if ended is not None:
-            return [ended]
-        chunks = [self._chunk("", FINISH_REASONS[event.finish_reason])]
-        if self.include_usage:
-            chunks.append(self.base | {"choices": [], "usage": _usage(event.usage)})
-        return chunks
+    def _last(self, finish_reason: str) -> dict:
+        return {"text": "", "logprobs": None, "finish_reason": finish_reason}
 
 
 # --- Responses -----------------------------------------------------------------------------
@@ -205,8 +202,8 @@ def _status(events: list[Event]) -> tuple[str, dict | None, dict | None]:
             return "incomplete", {"reason": "max_output_tokens"}, None
         if last.finish_reason == "cancelled":
             return "cancelled", None, None
-    fault = _ended(last)["error"]
-    return "failed", None, {"code": fault["code"], "message": fault["message"]}
+    fault = failure(last)
+    return "failed", None, {"code": fault.code, "message": fault.message}
 
 
 def message_id(response_id: str) -> str:
