@@ -227,9 +227,7 @@ class ProducerCore:
         yield from self._subscribe(channel, clock)
         watch, listening = SubmissionWatch(request_id), Reconnect(clock)
         while True:
-            entries, replay_exists, submission = yield from _patiently(Call((
-                command("xrange", replay, min=cursor if cursor == "-" else f"({cursor}"),
-                command("exists", replay), command("get", claim)), raise_on_error=False), clock)
+            entries, replay_exists, submission = yield from self._read(request_id, cursor, clock)
             # First: a request dead-lettered for its damaged replay stream ends here, whatever it holds.
             watch.check(_readable(submission, claim), bool(replay_exists), events_seen=cursor != "-")
             if _readable(entries, replay):
@@ -253,12 +251,18 @@ class ProducerCore:
         """-> the request's events so far, in seq order, each once (what `stream` would have
         delivered by now), without waiting. Raises UnknownRequest or EventsLost as `stream` does."""
         replay, claim = self.keys.replay(request_id), self.keys.submitted(request_id)
-        entries, replay_exists, submission = yield from _patiently(Call((
-            command("xrange", replay), command("exists", replay), command("get", claim)), raise_on_error=False),
-            Deadline(None, request_id))
+        entries, replay_exists, submission = yield from self._read(request_id, "-", Deadline(None, request_id))
         SubmissionWatch(request_id).check(_readable(submission, claim), bool(replay_exists), events_seen=False)
         return EventSequencer(request_id).push_replayed([_decoded(fields.get(FIELD), replay)
                                                          for _, fields in _readable(entries, replay)])
+
+    def _read(self, request_id: str, cursor: str, clock: Deadline) -> Flow:
+        """-> (the replay stream's entries after `cursor`, whether it exists, the submission key),
+        read in one round trip, with errors as values (raise_on_error=False)."""
+        replay = self.keys.replay(request_id)
+        return (yield from _patiently(Call((
+            command("xrange", replay, min=cursor if cursor == "-" else f"({cursor}"),
+            command("exists", replay), command("get", self.keys.submitted(request_id))), raise_on_error=False), clock))
 
     def _subscribe(self, channel: str, clock: Deadline) -> Flow:
         """SUBSCRIBE, and wait for the server's confirmation: through lost connections (each
