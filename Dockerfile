@@ -1,13 +1,42 @@
 # syntax=docker/dockerfile:1
-# The streambatch worker (and the gateway, and the CLI). One file for both kinds of image; BASE_IMAGE
-# decides where torch comes from:
+# The streambatch images. The worker's (the default target) in two kinds; BASE_IMAGE decides where
+# torch comes from:
 #   CPU (default):  docker build -t streambatch-worker:cpu .
 #   CUDA:           docker build -t streambatch-worker:gpu \
 #                     --build-arg BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime .
-# compose.yaml builds both. The bundled SmolLM2-135M is converted at build time; any other model
-# is a directory mounted into the container (STREAMBATCH_MODEL=/models/NAME): the worker never
+# and the light one, without torch, for the gateway and the operator's CLI:
+#                   docker build --target gateway -t streambatch-gateway .
+# compose.yaml builds all three. The bundled SmolLM2-135M is converted at build time; any other
+# model is a directory mounted into the container (STREAMBATCH_MODEL=/models/NAME): the worker never
 # downloads anything at run time.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
+ARG GATEWAY_BASE_IMAGE=python:3.11-slim-bookworm
+
+# --- gateway: the producer library, its CLI and the OpenAI gateway; no torch, no model ----------
+FROM ${GATEWAY_BASE_IMAGE} AS gateway
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    STREAMBATCH_GATEWAY_HOST=0.0.0.0 \
+    STREAMBATCH_GATEWAY_PORT=8000 \
+    PATH=/opt/streambatch/bin:$PATH
+
+# Only the producer's sources: the image cannot import the worker, so it can never load a model.
+COPY pyproject.toml README.md /tmp/streambatch-src/
+COPY producer /tmp/streambatch-src/producer
+RUN python -m venv /opt/streambatch \
+    && pip install --no-cache-dir "/tmp/streambatch-src[gateway]" \
+    && rm -rf /tmp/streambatch-src \
+    && groupadd --gid 10001 streambatch \
+    && useradd --create-home --uid 10001 --gid 10001 streambatch
+USER 10001:10001
+WORKDIR /home/streambatch
+
+EXPOSE 8000
+# /readyz: 503 while Redis is unreachable or no worker is ready.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10m --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ['STREAMBATCH_GATEWAY_PORT'], timeout=4)"]
+ENTRYPOINT ["streambatch-gateway"]
 
 # --- build: the compiler, the packages, the kernels and the converted model ----------------------
 FROM ${BASE_IMAGE} AS build

@@ -7,6 +7,7 @@ and podman-compose, end to end. Each step is timed and checked; the first failur
      bookworm base from debootstrap (made once), Python 3.11, Redis and Prometheus from Debian;
   2. a package index on 127.0.0.1 with the pinned torch (what `pip download` finds on this machine);
   3. the worker image, from our Dockerfile unchanged, on the Python stand-in: `podman-compose build`;
+     and the gateway's light image (also the tools service's): no torch, no worker, and its size;
   4. `podman-compose up` of the CPU profile with --workers workers and Prometheus: until Redis and
      every worker pass their healthchecks (podman here has no systemd to schedule them, so the
      smoke runs them: `podman healthcheck run`);
@@ -142,6 +143,9 @@ class Smoke:
                     self.standins(index_url)
                 with self.step("worker image build", "build_s"):
                     self.compose("--podman-build-args=--network=host", "build", "worker-cpu")
+                with self.step("gateway image build (the light image: no torch)", "gateway_build_s"):
+                    self.compose("--podman-build-args=--network=host", "build", "gateway")
+                    self.gateway_image_is_light()
                 self.up("up, until every healthcheck passes", "healthy_s")
                 with self.step("a tenant registered by the tools service"):
                     self.tenant_added()
@@ -258,6 +262,20 @@ class Smoke:
             self.quiet(["podman", "build", "--network", "host", "--target", target, "--build-arg",
                         f"TORCH_INDEX_URL={index_url}", "--build-arg", f"TORCH_VERSION={torch_version()}",
                         "-t", f"{STANDIN}/{target}", str(context)])
+
+    def gateway_image_is_light(self) -> None:
+        """The gateway's image (also the tools service's) has no torch and no worker, and is a
+        fraction of the worker's size."""
+        image = "localhost/streambatch-gateway:latest"
+        found = self.podman("run", "--rm", "--entrypoint", "python", image, "-c",
+                            "import importlib.util as u; print([m for m in ('torch', 'worker', 'producer.gateway') "
+                            "if u.find_spec(m)])").stdout.strip()
+        if found != "['producer.gateway']":
+            raise SmokeError(f"the gateway image holds {found}, not only the gateway")
+        sizes = {name: int(self.podman("image", "inspect", "--format", "{{.Size}}", name).stdout)
+                 for name in (image, "localhost/streambatch-worker:cpu")}
+        self.figures["image_mb"] = {name.split("/")[-1]: round(size / 2**20) for name, size in sizes.items()}
+        self.console.print(f"  image sizes: {self.figures['image_mb']}")
 
     def gpu_branch(self) -> None:
         """The CUDA base (pytorch/pytorch) brings its torch, and the Dockerfile then installs none:

@@ -1,17 +1,19 @@
 """python -m ops.gateway_streams: many SSE streams open at once on one gateway process.
 
-    python -m ops.gateway_streams [--streams 1000] [--max-tokens 16] [--model random:llama] [--json F]
+    python -m ops.gateway_streams [--streams 1000] [--max-tokens 32] [--model random:llama] [--json F]
 
 Starts a private redis-server, one worker on --model and one gateway process, then opens
 --streams streaming completions on the gateway at once (the openai package's async client, one
 connection each) and, for a sample of them, follows the same request directly from Redis with
-the producer (producer/gateway's own path minus the gateway). It prints, in one table:
+the producer, in the same process (producer/gateway's own path minus the gateway). It prints, in
+one table:
 - how many streams completed, with every token, and how long they took;
 - the gateway process's peak resident memory, and per open stream;
 - the gateway's added latency per token event: the client's arrival of an event through the
-  gateway minus a direct consumer's arrival of the same event (P50 / P99, events after each
-  sampled stream's first few, when the direct consumer has caught up), and the gateway's own time
-  per event from its /metrics histogram.
+  gateway minus the direct consumer's arrival of the same event (P50 / P99, over the events
+  written after the direct consumer subscribed, which is when it can first be waiting for one);
+  each path's delay from the event's write in Redis (its replay entry's id, a millisecond clock);
+  and the gateway's own time per event from its /metrics histogram.
 Exits 1 if any stream fails.
 """
 
@@ -24,7 +26,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import queue
 import sys
 import tempfile
 import threading
@@ -42,18 +43,17 @@ from ops.demo import DemoError, redis_at, running_gateway, running_process, wait
 from ops.percentile import percentile
 from ops.tool import run_tool
 from producer import AsyncProducer, TokenEvent
+from producer.protocol import FIELD, decode_event
 
-SAMPLED = 10  # streams also followed directly from Redis
-SKIPPED_EVENTS = 3  # of each sampled stream: the direct consumer may still be reading the replay
+SAMPLED = 20  # streams also followed directly from Redis
 CONNECTIONS_PER_CLIENT = 1000
-ID_WAIT_S = 120  # for a sampled stream's first chunk
 BULK_NICENESS = 10
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.gateway_streams", description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=1000)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", default="random:llama")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the whole run may take")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -87,15 +87,14 @@ def measure(console: Console, args: argparse.Namespace) -> None:
 
 
 def _streams(base: str, redis_url: str, args: argparse.Namespace) -> dict:
-    """All the streams at once, from three processes: the sampled ones, their direct consumers,
-    and the rest (niced), so that neither side of the comparison waits behind the parsing of the
-    other streams (monotonic clocks agree across processes)."""
+    """All the streams at once, from two processes: the sampled ones, each followed also directly
+    from Redis in the same process (so both sides of the comparison run under the same load),
+    and the rest, niced, so that the measuring process does not wait behind their parsing."""
     model = openai.OpenAI(base_url=base + "/v1", api_key="none").models.list().data[0].id
     sampled = min(SAMPLED, args.streams)
     spawn = multiprocessing.get_context("spawn")
-    ids, outcomes = spawn.Queue(), spawn.Queue()
-    processes = [spawn.Process(target=_direct_consumers, args=(redis_url, sampled, ids, outcomes)),
-                 spawn.Process(target=_sampled_streams, args=(base, model, args, sampled, ids, outcomes)),
+    outcomes = spawn.Queue()
+    processes = [spawn.Process(target=_sampled_streams, args=(base, redis_url, model, args, sampled, outcomes)),
                  spawn.Process(target=_bulk_streams, args=(base, model, args, range(sampled, args.streams), outcomes))]
     started = time.monotonic()
     for process in processes:
@@ -103,68 +102,88 @@ def _streams(base: str, redis_url: str, args: argparse.Namespace) -> dict:
     found = {outcome.kind: outcome for outcome in (outcomes.get(timeout=args.timeout) for _ in processes)}
     for process in processes:
         process.join()
-    direct, through_gateway, bulk = found["direct"], found["sampled"], found["bulk"]
+    through_gateway, bulk = found["sampled"], found["bulk"]
     wall = time.monotonic() - started
     durations = bulk.durations + through_gateway.durations
     failures = bulk.failures + through_gateway.failures
-    added = [arrivals[seq] - at for request_id, arrivals in through_gateway.arrivals.items()
-             for seq, at in direct.direct.get(request_id, {}).items() if seq >= SKIPPED_EVENTS and seq in arrivals]
+    compared = through_gateway.compared
+    added = [gateway - direct for gateway, direct, _ in compared]
+    via_gateway = [gateway - written for gateway, _, written in compared]
+    direct = [direct - written for _, direct, written in compared]
+
+    def ms(values: list[float], q: float) -> float:
+        return round(1e3 * (percentile(values, q) or 0), 2)
     return {"streams": args.streams, "completed": len(durations), "failed": len(failures),
             "failures": failures[:5], "wall_s": round(wall, 2),
             "stream_p50_s": round(percentile(durations, 0.5) or 0, 3),
             "stream_p99_s": round(percentile(durations, 0.99) or 0, 3),
             "added_latency_events": len(added),
-            "added_latency_p50_ms": round(1e3 * (percentile(added, 0.5) or 0), 2),
-            "added_latency_p99_ms": round(1e3 * (percentile(added, 0.99) or 0), 2)}
+            "added_latency_p50_ms": ms(added, 0.5), "added_latency_p99_ms": ms(added, 0.99),
+            "written_to_client_p50_ms": ms(via_gateway, 0.5), "written_to_client_p99_ms": ms(via_gateway, 0.99),
+            "written_to_direct_p50_ms": ms(direct, 0.5), "written_to_direct_p99_ms": ms(direct, 0.99)}
 
 
 @dataclass
 class Outcome:
-    kind: str = "bulk"  # bulk, sampled or direct
+    kind: str = "bulk"  # bulk or sampled
     durations: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
-    arrivals: dict[str, dict[int, float]] = field(default_factory=dict)  # request id -> seq -> when
-    direct: dict[str, dict[int, float]] | None = None  # the same, read from Redis directly
+    # sampled: per token event (arrival through the gateway, direct arrival, its write in Redis), unix seconds
+    compared: list[tuple[float, float, float]] = field(default_factory=list)
 
 
-def _sampled_streams(base: str, model: str, args: argparse.Namespace, count: int, ids, outcomes) -> None:
-    outcomes.put(dataclasses.replace(asyncio.run(_group(base, model, args, range(count), ids)), kind="sampled"))
-
-
-def _bulk_streams(base: str, model: str, args: argparse.Namespace, indices: range, outcomes) -> None:
-    # These clients are the harness, not the system: they yield the CPU to the measuring
-    # processes and the gateway (2 cores are shared by all of them).
-    os.nice(BULK_NICENESS)
-    outcomes.put(asyncio.run(_group(base, model, args, indices)))
-
-
-def _direct_consumers(redis_url: str, count: int, ids, outcomes) -> None:
-    async def follow(producer: AsyncProducer, request_id: str, seen: dict) -> None:
-        seen[request_id] = {}
-        async for event in producer.stream(request_id):
-            if isinstance(event, TokenEvent):
-                seen[request_id][event.seq] = time.monotonic()
-
+def _sampled_streams(base: str, redis_url: str, model: str, args: argparse.Namespace, count: int,
+                     outcomes) -> None:
     async def run() -> Outcome:
-        seen: dict[str, dict[int, float]] = {}
         async with AsyncProducer(redis_url) as producer:
-            # a sampled stream that fails before its first chunk sends no id: stop waiting for it
-            following = []
-            for _ in range(count):
-                try:
-                    request_id = await asyncio.to_thread(ids.get, timeout=ID_WAIT_S)
-                except queue.Empty:
-                    break
-                following.append(asyncio.ensure_future(follow(producer, request_id, seen)))
-            await asyncio.gather(*following)
-        return Outcome(kind="direct", direct=seen)
+            followed: dict[str, Followed] = {}
+
+            def first_chunk(request_id: str, arrivals: dict[int, float]) -> None:
+                followed[request_id] = Followed(arrivals, asyncio.ensure_future(_follow(producer, request_id)))
+
+            outcome = await _group(base, model, args, range(count), first_chunk)
+            for request_id, one in followed.items():
+                subscribed_at, direct = await one.task
+                written = await _written(producer, request_id)
+                # Events written before the direct consumer subscribed reach it from the replay
+                # stream at once: compare only those it could have been waiting for.
+                outcome.compared += [(one.arrivals[seq], direct[seq], written[seq]) for seq in sorted(direct)
+                                     if seq in one.arrivals and seq in written and written[seq] > subscribed_at]
+            return dataclasses.replace(outcome, kind="sampled")
 
     outcomes.put(asyncio.run(run()))
 
 
-async def _group(base: str, model: str, args: argparse.Namespace, indices: range, ids=None) -> Outcome:
-    """Streams for `indices`, each recording when its token events arrived; with `ids`, each
-    request id is put there as its stream starts (for the direct consumers)."""
+@dataclass
+class Followed:
+    arrivals: dict[int, float]  # through the gateway: token event seq -> when
+    task: asyncio.Future  # the direct consumer: -> (when it subscribed, seq -> when)
+
+
+async def _follow(producer: AsyncProducer, request_id: str) -> tuple[float, dict[int, float]]:
+    subscribed_at, seen = time.time(), {}
+    async for event in producer.stream(request_id):
+        if isinstance(event, TokenEvent):
+            seen[event.seq] = time.time()
+    return subscribed_at, seen
+
+
+async def _written(producer: AsyncProducer, request_id: str) -> dict[int, float]:
+    """seq -> when the worker wrote the event, from its replay stream's entry id (Redis's clock, ms)."""
+    entries = await producer.redis.xrange(producer.keys.replay(request_id))
+    return {decode_event(fields[FIELD]).seq: int(entry_id.split(b"-")[0]) / 1e3 for entry_id, fields in entries}
+
+
+def _bulk_streams(base: str, model: str, args: argparse.Namespace, indices: range, outcomes) -> None:
+    # These clients are the harness, not the system: they yield the CPU to the measuring
+    # process and the gateway (2 cores are shared by all of them).
+    os.nice(BULK_NICENESS)
+    outcomes.put(asyncio.run(_group(base, model, args, indices)))
+
+
+async def _group(base: str, model: str, args: argparse.Namespace, indices: range, first_chunk=None) -> Outcome:
+    """Streams for `indices`; with `first_chunk`, each stream's request id and its arrivals (token
+    event seq -> when, filled as they come) are handed to it as the stream starts."""
     outcome = Outcome()
     # one connection per stream: a client's pool holds up to 1,000 (the openai package's default)
     clients = [openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=args.timeout)
@@ -178,11 +197,10 @@ async def _group(base: str, model: str, args: argparse.Namespace, indices: range
                 model=model, prompt=[5 + index % 50, 6, 7], stream=True, max_tokens=args.max_tokens,
                 temperature=0, extra_body={"ignore_eos": True})
             async for chunk in stream:
-                if ids is not None and not arrivals and chunk.id not in outcome.arrivals:
-                    ids.put(chunk.id)
-                    outcome.arrivals[chunk.id] = arrivals
+                if first_chunk is not None and not arrivals:
+                    first_chunk(chunk.id, arrivals)
                 if chunk.choices and chunk.choices[0].finish_reason is None:
-                    arrivals[len(arrivals)] = time.monotonic()
+                    arrivals[len(arrivals)] = time.time()
             if len(arrivals) != args.max_tokens:
                 outcome.failures.append(f"stream {index}: {len(arrivals)} tokens, not {args.max_tokens}")
             outcome.durations.append(time.monotonic() - started)
@@ -250,6 +268,10 @@ def _table(figures: dict) -> Table:
         ("added latency per event P50 / P99 (client via gateway - direct consumer)",
          f"{figures['added_latency_p50_ms']} / {figures['added_latency_p99_ms']} ms "
          f"({figures['added_latency_events']} events)"),
+        ("event written -> client via gateway P50 / P99 (Redis's ms clock)",
+         f"{figures['written_to_client_p50_ms']} / {figures['written_to_client_p99_ms']} ms"),
+        ("event written -> direct consumer P50 / P99",
+         f"{figures['written_to_direct_p50_ms']} / {figures['written_to_direct_p99_ms']} ms"),
         ("gateway's own time per event P50 / P99 (at most)",
          f"{figures['gateway_time_per_event_p50_ms_at_most']:g} / "
          f"{figures['gateway_time_per_event_p99_ms_at_most']:g} ms"),

@@ -1,7 +1,9 @@
 """AsyncProducer: the Producer's API on redis.asyncio, for asyncio services.
 
 The API is producer/shell.py's and the flows producer/core.py's, as for Producer: only the
-awaits differ. Every method returns an awaitable (`stream`, an async iterator).
+awaits differ. Every method returns an awaitable (`stream`, an async iterator). Its streams
+share one subscribed connection, and their replay reads go out together (producer/multiplex.py):
+one AsyncProducer follows thousands of streams at once.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from producer.client import flow_error, queued
+from producer.client import flow_error
 from producer.core import Call, Deliver, Flow, Operation, Pause, Steps, Subscribe
+from producer.multiplex import CallBatcher, ChannelListener, SharedSubscription
 from producer.protocol import Event, connection_options
 from producer.shell import MAX_CONNECTIONS, ProducerShell, as_is
 
@@ -22,11 +25,18 @@ from producer.shell import MAX_CONNECTIONS, ProducerShell, as_is
 class AsyncProducer(ProducerShell):
     """See ProducerShell for the API; every method returns an awaitable of its value."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Shared by every stream and call, and by the copies `as_tenant` makes.
+        self._subscription = SharedSubscription(self._listener)
+        self._batcher = CallBatcher(self.redis)
+
     def _connect(self, url: str) -> redis.asyncio.Redis:
         return redis.asyncio.Redis.from_url(url, **connection_options(password=self._password),
                                             max_connections=MAX_CONNECTIONS)
 
     async def aclose(self) -> None:
+        await self._subscription.aclose()
         await self.redis.aclose()
         await self._listener.aclose()
 
@@ -43,17 +53,17 @@ class AsyncProducer(ProducerShell):
         return then(steps.value)
 
     async def _stream(self, flow: Flow) -> AsyncIterator[Event]:
-        pubsub = self._listener.pubsub()
+        listener = self._subscription.listener()
         try:
-            async for event in self._drive(Steps(flow), pubsub):
+            async for event in self._drive(Steps(flow), listener):
                 yield event
         finally:
-            await pubsub.aclose()
+            await listener.aclose()
 
     async def _collect(self, flow: Flow, then: Callable[[list], Any]):
         return then([event async for event in self._stream(flow)])
 
-    async def _drive(self, steps: Steps, pubsub) -> AsyncIterator[Event]:
+    async def _drive(self, steps: Steps, pubsub: ChannelListener | None) -> AsyncIterator[Event]:
         operation = steps.next()
         while operation is not None:
             if isinstance(operation, Deliver):
@@ -68,9 +78,9 @@ class AsyncProducer(ProducerShell):
             else:
                 operation = steps.next(reply)
 
-    async def _perform(self, operation: Operation, pubsub):
+    async def _perform(self, operation: Operation, pubsub: ChannelListener | None):
         if isinstance(operation, Call):
-            return await queued(self.redis, operation).execute(raise_on_error=operation.raise_on_error)
+            return await self._batcher.execute(operation)
         if isinstance(operation, Subscribe):
             return await pubsub.subscribe(operation.channel)
         if isinstance(operation, Pause):

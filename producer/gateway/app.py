@@ -30,10 +30,11 @@ from producer.completion import Completion
 from producer.errors import (Disconnected, EventsLost, InvalidRequest, NotPermitted, ProducerError, QueueFull,
                              UnknownRequest)
 from producer.gateway.auth import Tenants, Unauthorized
-from producer.gateway.render import (ChatStream, CompletionStream, ResponseRecord, ResponseStream, chat_completion,
-                                     error_body, failure, response_object, text_completion)
+from producer.gateway.render import (ChatStream, CompletionStream, Heading, ResponseRecord, ResponseStream,
+                                     chat_completion, error_body, failure, response_object, text_completion)
 from producer.gateway.shapes import (DEFAULT_MAX_TOKENS, ChatCompletionBody, CompletionBody, Refused, ResponsesBody,
-                                     chat_request, completion_request, decode, new_id, responses_request)
+                                     chat_request, completion_request, decode, new_id, responses_request,
+                                     service_tier)
 from producer.protocol import DEFAULT_CLAIM_TTL_S, DEFAULT_REPLAY_TTL_S, TERMINAL, Event, Request
 
 FLEET_REFRESH_S = 1.0  # how stale the ready workers' models may be (/v1/models, /readyz, 503)
@@ -81,6 +82,7 @@ class Gateway:
         self.metrics = Metrics()
         self._producers: dict[tuple[str, int | None], AsyncProducer] = {}
         self._models: tuple[float, list[str]] = (float("-inf"), [])
+        self._fleet_read: asyncio.Future | None = None
         self._cancels: set[asyncio.Task] = set()  # cancels of abandoned streams, running on their own
 
     def producer_of(self, tenant: str) -> AsyncProducer:
@@ -93,12 +95,19 @@ class Gateway:
         return self._producers[tenant, max_backlog]
 
     async def models(self) -> list[str]:
-        """The models ready workers serve (from their heartbeats), re-read at most every FLEET_REFRESH_S."""
+        """The models ready workers serve (from their heartbeats), re-read at most every FLEET_REFRESH_S,
+        by one read that every request arriving meanwhile waits for (a burst of requests is one SCAN)."""
         read_at, models = self._models
-        if time.monotonic() - read_at > FLEET_REFRESH_S:
-            workers = await self.producer.workers()
-            models = sorted({worker.model for worker in workers if worker.state == "ready" and worker.model})
-            self._models = (time.monotonic(), models)
+        if time.monotonic() - read_at <= FLEET_REFRESH_S:
+            return models
+        if self._fleet_read is None or self._fleet_read.done():
+            self._fleet_read = asyncio.ensure_future(self._read_models())
+        return await asyncio.shield(self._fleet_read)
+
+    async def _read_models(self) -> list[str]:
+        workers = await self.producer.workers()
+        models = sorted({worker.model for worker in workers if worker.state == "ready" and worker.model})
+        self._models = (time.monotonic(), models)
         return models
 
     async def served(self, model: str) -> None:
@@ -214,15 +223,16 @@ async def _generate(gateway: Gateway, request: HTTPRequest, shape, kind: str, bu
     producer = await gateway.caller(request)
     body = decode(await request.body(), shape)
     await gateway.served(body.model)
-    request_id, created = new_id(kind), int(time.time())
-    await gateway.submit(producer, build(body, request_id))
+    request_id = new_id(kind)
+    work = build(body, request_id)
+    heading = Heading(request_id, body.model, int(time.time()), service_tier(work))
+    await gateway.submit(producer, work)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return gateway.sse(producer, request_id, stream_type(request_id, body.model, created, usage),
-                           cancel_if_left=True, done_marker=True)
+        return gateway.sse(producer, request_id, stream_type(heading, usage), cancel_if_left=True, done_marker=True)
     events = await _finished_or_cancelled(gateway, producer, request, request_id)
     _failed(events)
-    return JSONResponse(render(request_id, body.model, created, Completion.from_events(request_id, events)))
+    return JSONResponse(render(heading, Completion.from_events(request_id, events)))
 
 
 async def chat_completions(gateway: Gateway, request: HTTPRequest) -> Response:
@@ -264,7 +274,8 @@ async def create_response(gateway: Gateway, request: HTTPRequest) -> Response:
     record = ResponseRecord(model=body.model, created_at=int(time.time()), background=body.background,
                             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
                             temperature=body.temperature, top_p=body.top_p,
-                            metadata=body.metadata if isinstance(body.metadata, dict) else {})
+                            metadata=body.metadata if isinstance(body.metadata, dict) else {},
+                            service_tier=service_tier(work))
     await producer.redis.set(producer.keys.response(response_id), msgspec.json.encode(record), ex=RECORD_TTL_S)
     await gateway.submit(producer, work)
     if body.stream:

@@ -82,13 +82,27 @@ def completion_logprobs(logprobs: list[TokenLogprob] | None, offset: int = 0) ->
             "text_offset": offsets}
 
 
+class Heading(msgspec.Struct, frozen=True):
+    """What every object of one completion repeats: its id, model, creation time, and the service
+    tier that stands for the lane it went to (shapes.service_tier)."""
+
+    id: str
+    model: str
+    created: int
+    service_tier: str
+
+    def of(self, object: str) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model,
+                "service_tier": self.service_tier}
+
+
 # --- Chat Completions ----------------------------------------------------------------------
-def chat_completion(request_id: str, model: str, created: int, completion: Completion) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text, "refusal": None},
-                         "logprobs": chat_logprobs(completion.logprobs),
-                         "finish_reason": FINISH_REASONS[completion.finish_reason]}],
-            "usage": _usage(completion.usage)}
+def chat_completion(heading: Heading, completion: Completion) -> dict:
+    return heading.of("chat.completion") | {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text, "refusal": None},
+                     "logprobs": chat_logprobs(completion.logprobs),
+                     "finish_reason": FINISH_REASONS[completion.finish_reason]}],
+        "usage": _usage(completion.usage)}
 
 
 class _ChunkStream:
@@ -99,8 +113,8 @@ class _ChunkStream:
 
     object: str
 
-    def __init__(self, request_id: str, model: str, created: int, include_usage: bool) -> None:
-        self.base = {"id": request_id, "object": self.object, "created": created, "model": model}
+    def __init__(self, heading: Heading, include_usage: bool) -> None:
+        self.base = heading.of(self.object)
         self.include_usage = include_usage
 
     def _chunk(self, choice: dict) -> dict:
@@ -141,11 +155,11 @@ class ChatStream(_ChunkStream):
 
 
 # --- Completions ---------------------------------------------------------------------------
-def text_completion(request_id: str, model: str, created: int, completion: Completion) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": completion.text, "logprobs": completion_logprobs(completion.logprobs),
-                         "finish_reason": FINISH_REASONS[completion.finish_reason]}],
-            "usage": _usage(completion.usage)}
+def text_completion(heading: Heading, completion: Completion) -> dict:
+    return heading.of("text_completion") | {
+        "choices": [{"index": 0, "text": completion.text, "logprobs": completion_logprobs(completion.logprobs),
+                     "finish_reason": FINISH_REASONS[completion.finish_reason]}],
+        "usage": _usage(completion.usage)}
 
 
 class CompletionStream(_ChunkStream):
@@ -178,6 +192,7 @@ class ResponseRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     temperature: float | None = None
     top_p: float | None = None
     metadata: dict[str, str] = {}
+    service_tier: str = "default"
 
 
 def _response_usage(usage: Usage | None) -> dict | None:
@@ -241,7 +256,8 @@ def response_object(response_id: str, record: ResponseRecord, events: list[Event
             "incomplete_details": incomplete, "instructions": record.instructions,
             "max_output_tokens": record.max_output_tokens, "temperature": record.temperature,
             "top_p": record.top_p, "metadata": record.metadata, "parallel_tool_calls": False,
-            "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}}}
+            "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+            "service_tier": record.service_tier}
 
 
 class ResponseStream:

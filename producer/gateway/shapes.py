@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from producer.protocol import Message, Request, SamplingParams
+from producer.submission import choose_lane
 
 # What a request without max_tokens may generate: OpenAI's "as much as fits" has no fixed value,
 # and the workers refuse a max_tokens that leaves no room in their model length.
@@ -47,8 +48,14 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # Fields every endpoint accepts and ignores, and those it refuses (with why).
-IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-           "safety_identifier", "include_obfuscation")
+IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+           "include_obfuscation")
+
+# `service_tier` is the lane hint: "priority" asks for the fast lane, which the lane rule grants a
+# short prompt with a small max_tokens only (protocol.pick_lane), "flex" for the normal lane; "auto"
+# and "default" leave the lane to the rule. Answers name the tier of the lane the request went to.
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+LANE_ASKED = {"priority": "fast", "flex": "normal"}
 REFUSED = {
     "tools": "tools are not supported", "tool_choice": "tools are not supported",
     "functions": "functions are not supported", "function_call": "functions are not supported",
@@ -75,7 +82,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     user: Any = None
     metadata: Any = None
     store: Any = None
-    service_tier: Any = None
+    service_tier: ServiceTier | None = None
     safety_identifier: Any = None
     prompt_cache_key: Any = None
     parallel_tool_calls: Any = None
@@ -176,6 +183,12 @@ def _unknown_field(message: str) -> str | None:
     return message.split("`")[1] if "unknown field `" in message else None
 
 
+def service_tier(request: Request) -> str:
+    """The tier an answer names: that of the lane stream the request goes to."""
+    lane = choose_lane(request)
+    return "priority" if lane == "fast" else "flex" if request.lane == "normal" else "default"
+
+
 def new_id(kind: Literal["chatcmpl", "cmpl", "resp"]) -> str:
     """An OpenAI-style id, which is also the streambatch request id (both fit REQUEST_ID)."""
     return f"{kind}-{secrets.token_hex(12)}" if kind != "resp" else f"resp_{secrets.token_hex(16)}"
@@ -235,7 +248,7 @@ def chat_request(body: ChatCompletionBody, request_id: str, default_max_tokens: 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, max_tokens, default_max_tokens, logprobs, body.stop)
     return Request(id=request_id, messages=[_message(m.role, m.content) for m in body.messages],
-                   params=_sampling(params))
+                   params=_sampling(params), lane=LANE_ASKED.get(body.service_tier))
 
 
 def completion_request(body: CompletionBody, request_id: str) -> Request:
@@ -250,9 +263,10 @@ def completion_request(body: CompletionBody, request_id: str) -> Request:
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:
         raise Refused("logprobs must be in [0, 5]", "logprobs")
     params = _sampling(_params(body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, body.stop))
+    lane = LANE_ASKED.get(body.service_tier)
     if isinstance(prompt, str):
-        return Request(id=request_id, prompt=prompt, params=params)
-    return Request(id=request_id, prompt_ids=prompt, params=params)
+        return Request(id=request_id, prompt=prompt, params=params, lane=lane)
+    return Request(id=request_id, prompt_ids=prompt, params=params, lane=lane)
 
 
 def responses_request(body: ResponsesBody, request_id: str, default_max_tokens: int) -> Request:
@@ -267,4 +281,4 @@ def responses_request(body: ResponsesBody, request_id: str, default_max_tokens: 
         raise Refused("input is empty", "input")
     logprobs = body.top_logprobs if body.top_logprobs is not None else None
     params = _sampling(_params(body, body.max_output_tokens, default_max_tokens, logprobs))
-    return Request(id=request_id, messages=messages, params=params)
+    return Request(id=request_id, messages=messages, params=params, lane=LANE_ASKED.get(body.service_tier))

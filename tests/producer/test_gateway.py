@@ -217,6 +217,35 @@ def test_responses_create_stream_and_retrieve(client, offline, model_dir):
     assert again.status == "incomplete" and again.output_text == expected
 
 
+def test_service_tier_is_the_lane_hint_and_each_answer_names_its_lane(stack, client, model_dir):
+    """"priority" asks for the fast lane, which the lane rule grants only a short request; "flex"
+    sends even a short one to the normal lane; each answer names the lane its request went to."""
+    model, keys = str(model_dir), KEYS.of(TENANT)
+
+    def asked(tier: str | None, max_tokens: int) -> tuple[str, str]:
+        before = {lane: stack.client.xinfo_stream(keys.requests(lane))["last-generated-id"]
+                  for lane in ("fast", "normal")}
+        answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=max_tokens, temperature=0,
+                                                **({"service_tier": tier} if tier else {}))
+        grown = [lane for lane in ("fast", "normal")
+                 if stack.client.xinfo_stream(keys.requests(lane))["last-generated-id"] != before[lane]]
+        return answer.service_tier, grown[0]
+
+    assert asked("priority", 4) == ("priority", "fast")
+    assert asked("flex", 4) == ("flex", "normal")
+    assert asked(None, 4) == ("priority", "fast")  # the rule's own choice for a short request
+    assert asked("priority", 400) == ("default", "normal")  # too long for the fast lane: demoted
+    streamed = list(client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, stream=True,
+                                                   service_tier="flex"))
+    assert {chunk.service_tier for chunk in streamed} == {"flex"}
+    response = client.responses.create(model=model, input="Hi", max_output_tokens=2, service_tier="priority")
+    assert response.service_tier == "priority"
+    assert client.responses.retrieve(response.id).service_tier == "priority"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, service_tier="scale")
+    assert bad.value.body["param"] == "service_tier"
+
+
 def test_errors_come_in_openais_shape(stack, client, model_dir):
     model = str(model_dir)
     anonymous = openai.OpenAI(base_url=stack.base_url, api_key="not-a-key", max_retries=0)

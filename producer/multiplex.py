@@ -1,0 +1,182 @@
+"""Many streams of one AsyncProducer on a few connections (a gateway follows a thousand at once).
+
+- SharedSubscription: one subscribed connection carries every stream's channel. A reader task
+  reads it and hands each message to the listeners of its channel; a lost connection is handed
+  to every listener (each stream then re-reads its replay stream, as with a connection of its
+  own), and the reader tries again, backing off: redis-py subscribes every channel again when
+  it reconnects. Each join SUBSCRIBEs, even to a channel already subscribed, so that every
+  stream waits for a confirmation sent after it joined, as the flow's no-gap rule needs
+  (producer/core.py).
+- CallBatcher: the calls that streams make in the same turn of the event loop (a worker's step
+  nudges many streams at once, and each re-reads its replay stream) go to Redis as one pipeline,
+  one round trip instead of one per stream. Each call's replies come back to it alone, its
+  errors raised or returned as it asked. Transactions go out on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import redis
+import redis.asyncio
+
+from producer.client import queued
+from producer.core import Call
+
+READ_WAIT_S = 1.0  # the reader's wait for a message: how often an idle connection is health-checked
+RETRY_S, MAX_RETRY_S = 0.1, 2.0  # the reader's wait after a lost connection, doubling while it stays lost
+
+
+class ChannelListener:
+    """One stream's view of the shared connection: the operations a flow's Subscribe and Listen
+    need (the names and arguments of redis-py's PubSub)."""
+
+    def __init__(self, shared: SharedSubscription) -> None:
+        self.shared = shared
+        self.channel: str | None = None
+        self.messages: asyncio.Queue[dict] = asyncio.Queue()
+        self.lost: BaseException | None = None  # the connection was lost since the last get_message
+        self.woken = asyncio.Event()
+
+    def deliver(self, message: dict) -> None:
+        self.messages.put_nowait(message)
+        self.woken.set()
+
+    def disconnected(self, error: BaseException) -> None:
+        self.lost = error
+        self.woken.set()
+
+    async def subscribe(self, channel: str) -> None:
+        await self.shared.join(self, channel)
+
+    async def get_message(self, ignore_subscribe_messages: bool = False, timeout: float = 0.0) -> dict | None:
+        """The next message within `timeout` s, or None; raises the error of a connection lost since."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        while True:
+            if self.lost is not None:
+                error, self.lost = self.lost, None
+                raise error
+            while not self.messages.empty():
+                message = self.messages.get_nowait()
+                if not (ignore_subscribe_messages and message["type"] == "subscribe"):
+                    return message
+            left = until - loop.time()
+            if left <= 0:
+                return None
+            self.woken.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self.woken.wait()
+
+    async def aclose(self) -> None:
+        if self.channel is not None:
+            await self.shared.leave(self, self.channel)
+
+
+class SharedSubscription:
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.client = client
+        self.pubsub = client.pubsub()
+        self.listeners: dict[bytes, set[ChannelListener]] = {}
+        self.commands = asyncio.Lock()  # one (UN)SUBSCRIBE at a time on the connection
+        self.reader: asyncio.Task | None = None
+
+    def listener(self) -> ChannelListener:
+        return ChannelListener(self)
+
+    async def join(self, listener: ChannelListener, channel: str) -> None:
+        listener.channel = channel
+        self.listeners.setdefault(channel.encode(), set()).add(listener)
+        async with self.commands:
+            await self.pubsub.subscribe(channel)
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def leave(self, listener: ChannelListener, channel: str) -> None:
+        listeners = self.listeners.get(channel.encode())
+        if listeners is None:
+            return
+        listeners.discard(listener)
+        if not listeners:
+            del self.listeners[channel.encode()]
+            # Best effort: one left subscribed by a lost connection is unsubscribed at its next message.
+            with contextlib.suppress(redis.RedisError):
+                await self._unsubscribe(channel)
+
+    async def _unsubscribe(self, channel: str | bytes) -> None:
+        async with self.commands:
+            await self.pubsub.unsubscribe(channel)
+
+    async def _read(self) -> None:
+        failures = 0
+        while self.listeners:
+            try:
+                message = await self.pubsub.get_message(timeout=READ_WAIT_S)
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                for listeners in list(self.listeners.values()):
+                    for listener in listeners:
+                        listener.disconnected(error)
+                failures += 1
+                await asyncio.sleep(min(MAX_RETRY_S, RETRY_S * 2 ** (failures - 1)))
+                continue
+            failures = 0
+            if message is None or message["type"] not in ("message", "subscribe"):
+                continue
+            listeners = self.listeners.get(bytes(message["channel"]))
+            if listeners is None:
+                if message["type"] == "message":
+                    with contextlib.suppress(redis.RedisError):
+                        await self._unsubscribe(message["channel"])
+                continue
+            for listener in listeners:
+                listener.deliver(message)
+
+    async def aclose(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, redis.RedisError):
+                await self.reader
+        await self.pubsub.aclose()
+
+
+class CallBatcher:
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.client = client
+        self.waiting: list[tuple[Call, asyncio.Future]] = []
+        self.flushes: set[asyncio.Task] = set()
+
+    async def execute(self, call: Call) -> list:
+        if call.transaction:
+            return await queued(self.client, call).execute(raise_on_error=call.raise_on_error)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((call, future))
+        if len(self.waiting) == 1:  # the first of this turn's calls: the rest join it before it goes
+            flush = asyncio.get_running_loop().create_task(self._flush())
+            self.flushes.add(flush)
+            flush.add_done_callback(self.flushes.discard)
+        return await future
+
+    async def _flush(self) -> None:
+        batch, self.waiting = self.waiting, []
+        try:
+            together = Call(tuple(command for call, _ in batch for command in call.commands))
+            replies = await queued(self.client, together).execute(raise_on_error=False)
+        except redis.RedisError as error:  # the connection: every call fails with it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        start = 0
+        for call, future in batch:
+            mine = replies[start:start + len(call.commands)]
+            start += len(call.commands)
+            if future.done():  # its stream was cancelled meanwhile
+                continue
+            error = next((reply for reply in mine if isinstance(reply, Exception)), None)
+            if call.raise_on_error and error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(mine)
+
