@@ -37,11 +37,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+from redis.exceptions import RedisClusterException
 from rich.console import Console
 from rich.markup import escape
 
 from ops.demo_view import CHAT_PROMPTS, summary, watch_prompts
 from producer import AsyncProducer
+from producer.connect import CLUSTER_ENV, add_cluster_flag, cluster_from_environment, connect
 from producer.protocol import DEFAULT_TENANT, Keys, redacted
 from producer.stats import parse_heartbeat
 
@@ -53,6 +55,7 @@ class DemoError(Exception):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", help="use this Redis if it answers (default: a private redis-server)")
+    add_cluster_flag(parser)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--name", default="demo-worker", help="the worker's name (its heartbeat key)")
     parser.add_argument("--stall-timeout", type=float, default=600,
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
+    use_cluster_option(parser, args)
     prompts = chosen_prompts(args.prompt, args.max_tokens)
     console = Console()
     try:
@@ -119,7 +123,7 @@ def through_the_gateway(console: Console, stack: contextlib.ExitStack, redis_url
 
     gateway, base_url = running_gateway(stack, redis_url, scratch)
     log = scratch / "gateway.log"
-    model = parse_heartbeat(worker_name, redis.Redis.from_url(redis_url).get(Keys().worker(worker_name))).model
+    model = parse_heartbeat(worker_name, redis_client(redis_url).get(Keys().worker(worker_name))).model
     question = "Say hello in French."
     reply = openai.OpenAI(base_url=base_url, api_key="none").chat.completions.create(
         model=model, messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0)
@@ -219,7 +223,7 @@ def wait_until_ready(url: str, name: str, process: subprocess.Popen, log: Path, 
     """Show the worker's start-up phases live until its heartbeat says ready; -> seconds it took.
     Progress is a new phase or new output in its log; a worker that exits, or shows none for
     `stall_timeout` seconds, fails the demo."""
-    client = redis.Redis.from_url(url)
+    client = redis_client(url)
     key = Keys().worker(name)
     started = last_progress = time.monotonic()
     phase, phase_started, log_size = None, started, -1
@@ -288,9 +292,24 @@ def last_lines(log: Path, count: int = 20) -> str:
 
 def _answers(url: str) -> bool:
     try:
-        return redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping()
-    except redis.RedisError:
+        return redis_client(url).ping()
+    except (redis.RedisError, RedisClusterException):
         return False
+
+
+def use_cluster_option(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A tool's --redis-cluster: every client and producer it makes, and every process it starts
+    (through $STREAMBATCH_REDIS_CLUSTER), in cluster mode; the cluster is the one --redis-url names
+    (a private Redis started for a run is one node)."""
+    if args.redis_cluster:
+        if args.redis_url is None:
+            parser.error("--redis-cluster needs --redis-url naming a node of the cluster")
+        os.environ[CLUSTER_ENV] = "1"
+
+
+def redis_client(url: str):
+    """A client for a tool's own reads, on one node or a cluster ($STREAMBATCH_REDIS_CLUSTER)."""
+    return connect(url, cluster=cluster_from_environment())
 
 
 def _stop(process: subprocess.Popen, grace: float) -> None:

@@ -37,7 +37,8 @@ from transformers import AutoTokenizer
 
 from ops.load.trace import read_jsonl
 from ops.tool import run_tool
-from producer.protocol import (DEFAULT_TENANT, FIELD, LANES, Keys, Message, SamplingParams, connection_options,
+from producer.connect import add_cluster_flag, connect
+from producer.protocol import (DEFAULT_TENANT, FIELD, LANES, Keys, Message, SamplingParams,
                                decode_request)
 from producer.shell import TENANT_ENV
 from worker.engine.config import EngineConfig
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "or an ops.load trace (prompt_ids)")
     source.add_argument("--redis-url", help="read the newest --count entries of each lane stream")
     source.add_argument("--eviction-check", action="store_true", help="pinned vs not pinned under pressure, offline")
+    add_cluster_flag(parser)
     parser.add_argument("--prefix", default="sb", help="key prefix shared with the workers")
     parser.add_argument("--tenant", default=os.environ.get(TENANT_ENV) or DEFAULT_TENANT,
                         help=f"whose lane streams to read (default: ${TENANT_ENV}, else {DEFAULT_TENANT})")
@@ -379,7 +381,7 @@ def report(args, console: Console) -> None:
     if args.jsonl:
         records = read_jsonl(args.jsonl, PromptRecord)
     else:
-        client = redis.Redis.from_url(args.redis_url, **connection_options())
+        client = connect(args.redis_url, cluster=args.redis_cluster)
         records = read_streams(client, Keys(args.prefix, args.tenant), args.count)
     tokenizer = None
     if any(record.prompt_ids is None for record in records):

@@ -43,11 +43,13 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 
-from ops.demo import DemoError, free_port, redis_at, running_process, wait_until_ready
+from ops.demo import (DemoError, free_port, redis_at, redis_client, running_process, use_cluster_option,
+                      wait_until_ready)
 from ops.load.report import Percentiles, latencies, lane_report
 from ops.load.runner import RequestRecord, run as run_trace
 from ops.load.trace import TraceRequest, generate
 from producer import Producer
+from producer.connect import add_cluster_flag
 from producer.protocol import Keys
 
 SAMPLE_INTERVAL_S = 1.0  # RSS and Redis memory samples
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second (Poisson)")
     parser.add_argument("--workers", type=int, default=1, help="worker processes to start")
     parser.add_argument("--redis-url", help="use this Redis if it answers (default: a private redis-server)")
+    add_cluster_flag(parser)
     parser.add_argument("--model", default="smollm2-135m", help="the workers' model")
     parser.add_argument("--worker-args", default="", help="the workers' other flags, as one string")
     parser.add_argument("--seed", type=int, default=0)
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-timeout", type=float, default=600,
                         help="give up on a starting worker that shows no progress for this many seconds")
     args = parser.parse_args(argv)
+    use_cluster_option(parser, args)
     console = Console()
     trace = generate(max(1, round(args.duration * args.rate)), args.rate, seed=args.seed,
                      prompt_lengths=args.prompt_lengths, output_lengths=args.output_lengths,
@@ -173,7 +177,7 @@ def run(console: Console, trace: list[TraceRequest], *, redis_url: str | None, w
             took = wait_until_ready(url, worker.name, worker.process, worker.log, stall_timeout, console)
             console.print(f"[bold]worker:[/] {worker.name} is ready after {took:.1f} s")
             worker.read_num_blocks()
-        client = redis.Redis.from_url(url)
+        client = redis_client(url)
         producer = stack.enter_context(Producer(url))
         for name, prompt_ids in (pins or {}).items():
             producer.pin(name, prompt_ids=prompt_ids)

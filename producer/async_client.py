@@ -18,7 +18,8 @@ import redis.asyncio
 from producer.client import flow_error
 from producer.core import Call, Deliver, Flow, Operation, Pause, Steps, Subscribe
 from producer.multiplex import CallBatcher, ChannelListener, SharedSubscription
-from producer.protocol import Event, connection_options
+from producer.connect import REDIS_FAILURES, connect_async
+from producer.protocol import Event
 from producer.shell import MAX_CONNECTIONS, ProducerShell, as_is
 
 
@@ -28,12 +29,11 @@ class AsyncProducer(ProducerShell):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Shared by every stream and call, and by the copies `as_tenant` makes.
-        self._subscription = SharedSubscription(self._listener)
+        self._subscription = SharedSubscription(self._listener, sharded=self.cluster)
         self._batcher = CallBatcher(self.redis)
 
-    def _connect(self, url: str) -> redis.asyncio.Redis:
-        return redis.asyncio.Redis.from_url(url, **connection_options(password=self._password),
-                                            max_connections=MAX_CONNECTIONS)
+    def _connect(self, url: str) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+        return connect_async(url, cluster=self.cluster, password=self._password, max_connections=MAX_CONNECTIONS)
 
     async def aclose(self) -> None:
         await self._subscription.aclose()
@@ -73,7 +73,7 @@ class AsyncProducer(ProducerShell):
                 continue
             try:
                 reply = await self._perform(operation, pubsub)
-            except redis.RedisError as error:
+            except REDIS_FAILURES as error:
                 operation = steps.next(error=flow_error(error))
             else:
                 operation = steps.next(reply)

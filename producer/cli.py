@@ -30,6 +30,7 @@ from rich.table import Table
 from producer.acl import tenant_user
 from producer.client import Producer
 from producer.completion import Completion
+from producer.connect import add_cluster_flag
 from producer.errors import Disconnected, ProducerError
 from producer.protocol import (DEFAULT_TENANT, LANES, PASSWORD_ON_COMMAND_LINE, DoneEvent, ErrorEvent, TokenEvent,
                                TokenLogprob, check_tenant, has_password, read_password, redacted)
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         errors.print(f"[red]error:[/] --redis-password-file: {escape(str(error))}")
         return 1
     try:
-        producer = Producer(args.redis_url, tenant=args.tenant, prefix=args.prefix, password=password)
+        producer = Producer(args.redis_url, tenant=args.tenant, prefix=args.prefix, password=password,
+                            cluster=args.redis_cluster)
     except ValueError as error:  # redis-py's word on a URL it cannot parse
         errors.print(f"[red]error:[/] bad --redis-url {escape(repr(redacted(args.redis_url)))}: {escape(str(error))}")
         return 1
@@ -90,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis-password-file", default=os.environ.get("STREAMBATCH_REDIS_PASSWORD_FILE"),
                         help="a file holding the Redis password, in place of one in the URL "
                              "(default: $STREAMBATCH_REDIS_PASSWORD_FILE)")
+    add_cluster_flag(parser)
     parser.add_argument("--prefix", default="sb", type=_utf8, help="key prefix shared with the workers")
     parser.add_argument("--tenant", type=_tenant, default=os.environ.get(TENANT_ENV) or DEFAULT_TENANT,
                         help=f"whose requests these are (default: ${TENANT_ENV}, else {DEFAULT_TENANT})")

@@ -14,16 +14,16 @@ import redis
 
 from producer.core import Call, Deliver, Flow, Operation, Pause, Steps, Subscribe
 from producer.errors import Disconnected, NotPermitted
-from producer.protocol import Event, connection_options, is_tls_refusal
+from producer.connect import CLUSTER_IN_TRANSITION, REDIS_FAILURES, connect
+from producer.protocol import Event, is_tls_refusal
 from producer.shell import MAX_CONNECTIONS, ProducerShell, as_is
 
 
 class Producer(ProducerShell):
     """See ProducerShell for the API; every method returns its value."""
 
-    def _connect(self, url: str) -> redis.Redis:
-        return redis.Redis.from_url(url, **connection_options(password=self._password),
-                                    max_connections=MAX_CONNECTIONS)
+    def _connect(self, url: str) -> redis.Redis | redis.RedisCluster:
+        return connect(url, cluster=self.cluster, password=self._password, max_connections=MAX_CONNECTIONS)
 
     def close(self) -> None:
         self.redis.close()
@@ -61,20 +61,22 @@ class Producer(ProducerShell):
                 continue
             try:
                 reply = self._perform(operation, pubsub)
-            except redis.RedisError as error:
+            except REDIS_FAILURES as error:
                 operation = steps.next(error=flow_error(error))
             else:
                 operation = steps.next(reply)
 
     def _perform(self, operation: Operation, pubsub):
         if isinstance(operation, Call):
+            if len(operation.commands) == 1:
+                return direct(self.redis, operation)
             return queued(self.redis, operation).execute(raise_on_error=operation.raise_on_error)
         if isinstance(operation, Subscribe):
-            return pubsub.subscribe(operation.channel)
+            return (pubsub.ssubscribe if self.cluster else pubsub.subscribe)(operation.channel)
         if isinstance(operation, Pause):
             return time.sleep(operation.seconds)
-        return pubsub.get_message(ignore_subscribe_messages=not operation.subscribe_messages,
-                                  timeout=operation.timeout)
+        listen = pubsub.get_sharded_message if self.cluster else pubsub.get_message
+        return listen(ignore_subscribe_messages=not operation.subscribe_messages, timeout=operation.timeout)
 
 
 def queued(client, call: Call):
@@ -85,11 +87,25 @@ def queued(client, call: Call):
     return pipe
 
 
-def flow_error(error: redis.RedisError) -> Exception:
-    """What a flow is told of a failed operation: a lost connection as Disconnected, a command the
+def direct(client, call: Call) -> list:
+    """A call of one command, sent as that command (sync): what a cluster client will not pipeline
+    (SCAN of every node, PUBLISH) goes this way. -> its reply in a list, or its error there when
+    the call does not raise."""
+    [command] = call.commands
+    try:
+        return [getattr(client, command.name)(*command.args, **command.kwargs)]
+    except redis.ResponseError as error:
+        if call.raise_on_error:
+            raise
+        return [error]
+
+
+def flow_error(error: Exception) -> Exception:
+    """What a flow is told of a failed operation: a lost connection (or a cluster in the middle of a
+    failover or slot migration) as Disconnected, a command the
     ACL refuses as NotPermitted, the rest as is (a refused password or TLS handshake too, which
     redis-py counts as connection errors: no retry brings them in)."""
-    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not (
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError, *CLUSTER_IN_TRANSITION)) and not (
             isinstance(error, redis.AuthenticationError) or is_tls_refusal(error)):
         return Disconnected(f"redis: {error}")
     if isinstance(error, redis.exceptions.NoPermissionError):

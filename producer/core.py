@@ -122,9 +122,12 @@ class Steps:
 
 
 class ProducerCore:
-    def __init__(self, keys: Keys, max_backlog: int, claim_ttl: int, poll_interval: float) -> None:
+    def __init__(self, keys: Keys, max_backlog: int, claim_ttl: int, poll_interval: float,
+                 cluster: bool = False) -> None:
+        """`cluster`: on Redis Cluster, where no MULTI spans two hash tags (producer/connect.py)."""
         self.keys, self.max_backlog = keys, max_backlog
         self.claim_ttl, self.poll_interval = claim_ttl, poll_interval
+        self.cluster = cluster
 
     def submit(self, request: Request) -> Flow:
         """-> (lane, duplicate). Takes the id (SET NX, short-lived, with this call's token),
@@ -155,18 +158,37 @@ class ProducerCore:
                 yield Call((command("delete", claim),))
                 raise QueueFull(lane, backlog, self.max_backlog)
             try:
-                yield Call((command("xadd", stream, {FIELD: entry}),
-                            command("set", claim, encode(Submission(lane, by=token)), xx=True, ex=self.claim_ttl)),
-                           transaction=True)
+                yield from self._enqueue(stream, entry, claim, Submission(lane, by=token))
                 return lane, False
             except Disconnected:
                 if time.monotonic() >= gives_up_at:
                     raise
 
+    def _enqueue(self, stream: str, entry: bytes, claim: str, queued: Submission) -> Flow:
+        """The entry, and the id marked queued: one MULTI on one node. On a cluster the stream and the
+        id's keys are in two slots, so the entry goes first, then the mark, then a nudge for idle
+        workers (they cannot block on streams of several nodes): a submit cut short after the entry
+        enqueues it again, and the worker refuses the second entry as a duplicate of the id
+        (design.md, rule 2); one cut short before the mark never leaves an id marked queued
+        without its entry."""
+        if not self.cluster:
+            yield Call((command("xadd", stream, {FIELD: entry}),
+                        command("set", claim, encode(queued), xx=True, ex=self.claim_ttl)), transaction=True)
+            return
+        yield Call((command("xadd", stream, {FIELD: entry}),))
+        yield Call((command("set", claim, encode(queued), xx=True, ex=self.claim_ttl),))
+        yield Call((command("publish", self.keys.enqueued, queued.lane),))
+
     def cancel(self, request_id: str) -> Flow:
-        """A durable flag (checked by the worker every step) plus a nudge on the channel."""
-        yield Call((command("set", self.keys.cancelled(request_id), b"1", ex=self.claim_ttl),
-                    command("publish", self.keys.cancel_channel, request_id)), transaction=True)
+        """A durable flag (checked by the worker every step) plus a nudge on the channel: one MULTI,
+        or on a cluster the flag first (the nudge only says when to look)."""
+        flag = command("set", self.keys.cancelled(request_id), b"1", ex=self.claim_ttl)
+        nudge = command("publish", self.keys.cancel_channel, request_id)
+        if self.cluster:
+            yield Call((flag,))
+            yield Call((nudge,))
+        else:
+            yield Call((flag, nudge), transaction=True)
 
     def stats(self) -> Flow:
         lanes = {}
@@ -190,7 +212,7 @@ class ProducerCore:
         while True:
             [(cursor, batch)] = yield Call((command("scan", cursor, match=self.keys.workers_pattern, count=100),))
             names += batch
-            if cursor == 0:
+            if not (any(cursor.values()) if isinstance(cursor, dict) else cursor):  # a cluster's: per node
                 break
         names = sorted({name for name in names if _is_utf8(name)})  # not one of ours: skipped, the rest shown
         kinds = (yield Call(tuple(command("type", name) for name in names))) if names else []
@@ -386,7 +408,7 @@ def _is_utf8(name: bytes) -> bool:
 
 
 def _is_subscribe(message: dict | None) -> bool:
-    return message is not None and message["type"] == "subscribe"
+    return message is not None and message["type"] in ("subscribe", "ssubscribe")
 
 
 def _submission(data: bytes, where: str) -> Submission:

@@ -10,7 +10,7 @@
 - CallBatcher: the calls that streams make in the same turn of the event loop (a worker's step
   nudges many streams at once, and each re-reads its replay stream) go to Redis as one pipeline,
   one round trip instead of one per stream. Each call's replies come back to it alone, its
-  errors raised or returned as it asked. Transactions go out on their own.
+  errors raised or returned as it asked. Transactions, and calls of one command, go out on their own.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import redis.asyncio
 from producer.client import queued
 from producer.core import Call
 
+MESSAGE_TYPES = ("message", "subscribe", "smessage", "ssubscribe")  # what listeners hear of
 READ_WAIT_S = 1.0  # the reader's wait for a message: how often an idle connection is health-checked
 RETRY_S, MAX_RETRY_S = 0.1, 2.0  # the reader's wait after a lost connection, doubling while it stays lost
 
@@ -60,7 +61,7 @@ class ChannelListener:
                 raise error
             while not self.messages.empty():
                 message = self.messages.get_nowait()
-                if not (ignore_subscribe_messages and message["type"] == "subscribe"):
+                if not (ignore_subscribe_messages and message["type"] in ("subscribe", "ssubscribe")):
                     return message
             left = until - loop.time()
             if left <= 0:
@@ -76,12 +77,16 @@ class ChannelListener:
 
 
 class SharedSubscription:
-    def __init__(self, client: redis.asyncio.Redis) -> None:
-        self.client = client
+    """On one node: one subscribed connection and one reader. On a cluster (`sharded`): SSUBSCRIBE
+    through redis-py's cluster pub/sub, which holds a connection to each node that owns a channel
+    followed, and one reader per such node (a reader waiting on one node must not delay another's)."""
+
+    def __init__(self, client, sharded: bool = False) -> None:
+        self.client, self.sharded = client, sharded
         self.pubsub = client.pubsub()
         self.listeners: dict[bytes, set[ChannelListener]] = {}
-        self.commands = asyncio.Lock()  # one (UN)SUBSCRIBE at a time on the connection
-        self.reader: asyncio.Task | None = None
+        self.commands = asyncio.Lock()  # one (UN)SUBSCRIBE at a time on a connection
+        self.readers: dict[str | None, asyncio.Task] = {}  # by node name (None: the one node)
 
     def listener(self) -> ChannelListener:
         return ChannelListener(self)
@@ -90,9 +95,12 @@ class SharedSubscription:
         listener.channel = channel
         self.listeners.setdefault(channel.encode(), set()).add(listener)
         async with self.commands:
-            await self.pubsub.subscribe(channel)
-        if self.reader is None or self.reader.done():
-            self.reader = asyncio.get_running_loop().create_task(self._read())
+            if self.sharded:
+                await self.client.initialize()  # its slot map, once (the pub/sub alone does not load it)
+            await (self.pubsub.ssubscribe if self.sharded else self.pubsub.subscribe)(channel)
+        for node in list(self.pubsub.node_pubsub_mapping) if self.sharded else [None]:
+            if node not in self.readers or self.readers[node].done():
+                self.readers[node] = asyncio.get_running_loop().create_task(self._read(node))
 
     async def leave(self, listener: ChannelListener, channel: str) -> None:
         listeners = self.listeners.get(channel.encode())
@@ -107,13 +115,19 @@ class SharedSubscription:
 
     async def _unsubscribe(self, channel: str | bytes) -> None:
         async with self.commands:
-            await self.pubsub.unsubscribe(channel)
+            await (self.pubsub.sunsubscribe if self.sharded else self.pubsub.unsubscribe)(channel)
 
-    async def _read(self) -> None:
+    async def _next(self, node: str | None) -> dict | None:
+        if node is None:
+            return await self.pubsub.get_message(timeout=READ_WAIT_S)
+        return await self.pubsub.get_sharded_message(timeout=READ_WAIT_S, target_node=self.client.get_node(
+            node_name=node))
+
+    async def _read(self, node: str | None) -> None:
         failures = 0
-        while self.listeners:
+        while self.listeners and (node is None or node in self.pubsub.node_pubsub_mapping):
             try:
-                message = await self.pubsub.get_message(timeout=READ_WAIT_S)
+                message = await self._next(node)
             except (redis.ConnectionError, redis.TimeoutError) as error:
                 for listeners in list(self.listeners.values()):
                     for listener in listeners:
@@ -122,11 +136,11 @@ class SharedSubscription:
                 await asyncio.sleep(min(MAX_RETRY_S, RETRY_S * 2 ** (failures - 1)))
                 continue
             failures = 0
-            if message is None or message["type"] not in ("message", "subscribe"):
+            if message is None or message["type"] not in MESSAGE_TYPES:
                 continue
             listeners = self.listeners.get(bytes(message["channel"]))
             if listeners is None:
-                if message["type"] == "message":
+                if message["type"] in ("message", "smessage"):
                     with contextlib.suppress(redis.RedisError):
                         await self._unsubscribe(message["channel"])
                 continue
@@ -134,11 +148,23 @@ class SharedSubscription:
                 listener.deliver(message)
 
     async def aclose(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
+        for reader in self.readers.values():
+            reader.cancel()
+        for reader in self.readers.values():
             with contextlib.suppress(asyncio.CancelledError, redis.RedisError):
-                await self.reader
+                await reader
         await self.pubsub.aclose()
+
+
+async def direct(client, call: Call) -> list:
+    """producer/client.direct, on an asyncio client."""
+    [command] = call.commands
+    try:
+        return [await getattr(client, command.name)(*command.args, **command.kwargs)]
+    except redis.ResponseError as error:
+        if call.raise_on_error:
+            raise
+        return [error]
 
 
 class CallBatcher:
@@ -148,6 +174,8 @@ class CallBatcher:
         self.flushes: set[asyncio.Task] = set()
 
     async def execute(self, call: Call) -> list:
+        if len(call.commands) == 1:
+            return await direct(self.client, call)
         if call.transaction:
             return await queued(self.client, call).execute(raise_on_error=call.raise_on_error)
         future = asyncio.get_running_loop().create_future()

@@ -438,13 +438,15 @@ class Keys:
     - `worker(name)`: the heartbeat, a few seconds past the next beat.
     - `dead_letters`: trimmed to the workers' --dead-letter-ttl, and capped.
     - `pins`, `tenants`: permanent, operator-managed.
-    - `tokens(id)`, `cancel_channel`: channels, nothing stored.
+    - `tokens(id)`, `cancel_channel`, `enqueued`: channels, nothing stored.
     """
 
     def __init__(self, prefix: str = "sb", tenant: str = DEFAULT_TENANT) -> None:
         self.prefix, self.tenant = prefix, tenant if tenant == ANY_NAME else check_tenant(tenant)
         self.tenant_prefix = f"{prefix}:t:{tenant}:"
         self.cancel_channel = f"{self.tenant_prefix}cancel"
+        # A cluster producer's nudge after each enqueue, for idle workers (producer/connect.py).
+        self.enqueued = f"{self.tenant_prefix}enqueued"
         self.dead_letters = f"{prefix}:dead"
         self.tenants = f"{prefix}:tenants"  # hash: the tenant registry, name -> Tenant as JSON
 

@@ -35,8 +35,9 @@ directory refuses every batch. The output is written as a new file, never throug
 planted at its path.
 
 Which Redis: a job reaches streambatch on the server its rq worker uses (the job's own
-connection), unless given `url=`: another server, TLS with certificate options, Sentinel or
-Cluster. `prefix=` must match the streambatch workers' prefix. The tenant is the rq worker's
+connection), unless given `url=`: another server, TLS with certificate options, Sentinel, or a
+node of a Redis Cluster (rq itself runs on one node; the rq worker then runs with
+`--redis-cluster`, and every job must name the cluster with `url=`). `prefix=` must match the streambatch workers' prefix. The tenant is the rq worker's
 `$STREAMBATCH_TENANT` (else `default`), never a job argument: whoever enqueues a job cannot
 choose to act for another team.
 
@@ -76,6 +77,7 @@ from rq.job import Job
 from producer.client import Producer
 from producer.shell import Handle
 from producer.completion import Completion
+from producer.connect import cluster_from_environment
 from producer.errors import InvalidRequest
 from producer.protocol import Request
 from producer.submission import build_request
@@ -240,6 +242,11 @@ def _current_job() -> Job:
 
 
 def _producer(connection: redis.Redis, url: str | None, prefix: str) -> Producer:
+    """streambatch at `url`, else on rq's own server; on a cluster ($STREAMBATCH_REDIS_CLUSTER, which
+    streambatch-rq-worker --redis-cluster sets) only at `url`: rq's server is one node."""
+    if url is None and cluster_from_environment():
+        raise ValueError("streambatch is on a Redis Cluster here: give the job url= naming one of its nodes "
+                         "(rq's own Redis is a single node)")
     return Producer(url or redis_url(connection), prefix=prefix)
 
 

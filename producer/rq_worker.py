@@ -25,6 +25,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from producer import rq_jobs
+from producer.connect import CLUSTER_ENV, cluster_from_environment
 from producer.protocol import read_password, redacted
 
 JOB_FUNCTIONS = {f"{function.__module__}.{function.__qualname__}": function
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-dir", help=f"the directory batch jobs' files must be in (default: "
                                             f"${rq_jobs.BATCH_DIR_ENV}; without one, batch jobs are refused)")
     parser.add_argument("--burst", action="store_true", help="exit once the queues are empty")
+    parser.add_argument("--redis-cluster", action="store_true", default=cluster_from_environment(),
+                        help="streambatch's Redis is a Redis Cluster, which the jobs name with url= (rq's own "
+                             f"Redis is one node; default: ${CLUSTER_ENV})")
     args = parser.parse_args(argv)
     url = args.url or os.environ.get("STREAMBATCH_REDIS_URL")
     if not url:
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         if not os.path.isdir(batch_dir):
             parser.error(f"--batch-dir {batch_dir}: no such directory")
         os.environ[rq_jobs.BATCH_DIR_ENV] = batch_dir  # where rq_jobs.batch_path looks, in the work horses too
+    if args.redis_cluster:
+        os.environ[CLUSTER_ENV] = "1"  # the jobs' producers, in the work horses
     try:
         connection = redis.Redis.from_url(url, password=password)
     except ValueError as error:  # redis-py's word on a URL it cannot parse

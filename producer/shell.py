@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from producer.completion import Completion
+from producer.connect import cluster_from_environment
 from producer.core import Flow, ProducerCore
 from producer.protocol import DEFAULT_CLAIM_TTL_S, DEFAULT_TENANT, Keys, Lane, Message, Request, SamplingParams
 from producer.submission import build_request, checked_id
@@ -31,7 +32,7 @@ def as_is(value: Any) -> Any:
 class ProducerShell:
     def __init__(self, url: str = DEFAULT_URL, *, tenant: str | None = None, prefix: str = "sb",
                  max_backlog: int = 10_000, claim_ttl: float = DEFAULT_CLAIM_TTL_S, poll_interval: float = 1.0,
-                 password: str | None = None) -> None:
+                 password: str | None = None, cluster: bool | None = None) -> None:
         """`tenant`: whose requests these are (default: $STREAMBATCH_TENANT, else "default"); every
         key and channel used is in that tenant's part of the layout (protocol.Keys).
         `password` takes the place of one in the URL (protocol.read_password reads one from a file).
@@ -40,9 +41,11 @@ class ProducerShell:
         longest a request may wait and still be found), and a cancel flag lives; once a worker
         finishes it, the id stays taken as long as its events stay readable (the worker's
         replay_ttl). `poll_interval`: how long the channel may stay quiet before a stream
-        re-reads the replay stream."""
+        re-reads the replay stream. `cluster`: `url` names a node of a Redis Cluster (default:
+        $STREAMBATCH_REDIS_CLUSTER; producer/connect.py)."""
         tenant = tenant if tenant is not None else os.environ.get(TENANT_ENV) or DEFAULT_TENANT
-        self.core = ProducerCore(Keys(prefix, tenant), max_backlog, int(claim_ttl), poll_interval)
+        self.cluster = cluster if cluster is not None else cluster_from_environment()
+        self.core = ProducerCore(Keys(prefix, tenant), max_backlog, int(claim_ttl), poll_interval, self.cluster)
         self.keys = self.core.keys
         self._password = password
         self.redis = self._connect(url)
@@ -91,7 +94,7 @@ class ProducerShell:
         on one pair of pools), with that tenant's backlog limit: closing either closes both."""
         other = copy.copy(self)
         other.core = ProducerCore(self.keys.of(tenant), max_backlog or self.core.max_backlog, self.core.claim_ttl,
-                                  self.core.poll_interval)
+                                  self.core.poll_interval, self.cluster)
         other.keys = other.core.keys
         return other
 

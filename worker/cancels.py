@@ -5,35 +5,32 @@ The key is the cancel; the channel only says when to look. A nudge makes the wor
 named requests' keys before it stops any (so a bare PUBLISH, which a tenant may send on its own
 channel, stops nothing that its owner did not cancel), and the keys of every running request are
 swept each heartbeat, which catches a nudge lost with a pub/sub connection. The subscribed
-socket is only polled, never read with a wait.
+socket is only polled, never read with a wait (worker/subscription.py).
 """
 
 from __future__ import annotations
 
-import redis
-
 from producer.protocol import Keys
 from worker.flight import Flight, engine_id
+from worker.subscription import Subscription
 
 
 class Cancels:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client) -> None:
         self.client = client
-        self.subscription = client.pubsub(ignore_subscribe_messages=True)  # polled, never a blocking read
+        self.subscription = Subscription(client)
         self.tenants: dict[str, str] = {}  # cancel channel -> its tenant
 
     def follow(self, tenants: list[Keys]) -> None:
         """Listen for these tenants' nudges too."""
-        new = {keys.cancel_channel: keys.tenant for keys in tenants if keys.cancel_channel not in self.tenants}
-        if new:
-            self.subscription.subscribe(*new)
-            self.tenants |= new
+        self.tenants |= {keys.cancel_channel: keys.tenant for keys in tenants}
+        self.subscription.add(list(self.tenants))
 
     def nudged(self) -> set[str]:
         """The engine ids (`Flight.name`) of the requests named since the last call, any
         request's: the caller picks its own, and checks them (`swept`) before it stops one."""
         names = set()
-        while (message := self.subscription.get_message(timeout=0)) is not None:
+        for message in self.subscription.messages():
             tenant = self.tenants.get(bytes(message["channel"]).decode(errors="replace"))
             if tenant is not None:
                 names.add(engine_id(tenant, bytes(message["data"]).decode(errors="replace")))

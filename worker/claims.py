@@ -51,6 +51,7 @@ from producer.protocol import FIELD, GROUP, TERMINAL, Event, Keys, Lane, Submiss
 from worker.flight import Flight
 from worker.heartbeat import beating, worker_of
 from worker.intake import Entry
+from worker.scripts import Batch, Script
 from worker.tenants import LaneStreams
 
 HAND_BACK_IDLE_MS = 2**31  # about 25 days: past any reclaim threshold
@@ -133,20 +134,21 @@ class Claims:
         self.client, self.keys, self.streams, self.consumer = client, keys, streams, consumer
         self.replay_ttl, self.reclaim_idle_ms = replay_ttl, reclaim_idle_ms
         self.cursors: dict[str, str] = {}  # XAUTOCLAIM's, per stream
-        self.claim_script = client.register_script(CLAIM)
-        self.keep_script = client.register_script(KEEP)
+        self.claim_script = Script(client, CLAIM)
+        self.keep_script = Script(client, KEEP)
 
     def claim(self, requests: list[tuple[str, Entry]]) -> list[Claim]:
         """Claim each request ((id, the entry that carried it)), in order."""
-        pipe = self.client.pipeline(transaction=False)
+        if not requests:
+            return []
+        batch = Batch(self.client)
         for request_id, entry in requests:
             keys, lane = self.streams[entry.stream].keys, self.streams[entry.stream].lane
-            self.claim_script(keys=[keys.attempt(request_id), keys.replay(request_id), keys.cancelled(request_id),
-                                    keys.submitted(request_id)],
-                              args=[entry.owner, encode(Submission(lane)), self.replay_ttl],
-                              client=pipe)
+            batch.run(self.claim_script, (keys.attempt(request_id), keys.replay(request_id),
+                                          keys.cancelled(request_id), keys.submitted(request_id)),
+                      (entry.owner, encode(Submission(lane)), self.replay_ttl))
         claims = []
-        for reply in pipe.execute(raise_on_error=False):  # one request's damaged keys must not fail the rest
+        for reply in batch.execute(raise_on_error=False):  # one request's damaged keys must not fail the rest
             if isinstance(reply, Exception):
                 claims.append(Claim(0, None, False, damage=str(reply)))
             else:
@@ -161,11 +163,11 @@ class Claims:
         """Keep our entries from looking idle; -> the flights another worker holds now."""
         if not flights:
             return []
-        pipe = self.client.pipeline(transaction=False)
+        batch = Batch(self.client)
         for flight in flights:
-            pipe.get(flight.keys.attempt(flight.request_id))
-        by_stream = self._queue_keep(pipe, [flight.entry for flight in flights])
-        replies = pipe.execute()
+            batch.pipe.get(flight.keys.attempt(flight.request_id))
+        by_stream = self._queue_keep(batch, [flight.entry for flight in flights])
+        replies = batch.execute()
         fences, kept = replies[:len(flights)], replies[len(flights):]
         lost = {(stream, entry_id.decode()) for stream, ids in zip(by_stream, kept) for entry_id in ids}
         return [flight for flight, value in zip(flights, fences)
@@ -248,18 +250,18 @@ class Claims:
         return deleted
 
     def hand_back(self, entries: list[Entry]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        self._queue_keep(pipe, entries, idle=HAND_BACK_IDLE_MS)
-        pipe.execute()
+        if entries:
+            batch = Batch(self.client)
+            self._queue_keep(batch, entries, idle=HAND_BACK_IDLE_MS)
+            batch.execute()
 
-    def _queue_keep(self, pipe, entries: list[Entry], idle: int | None = None) -> list[str]:
+    def _queue_keep(self, batch: Batch, entries: list[Entry], idle: int | None = None) -> list[str]:
         """Queue the KEEP script for these entries, one call per stream; -> the streams, in order."""
         by_stream: dict[str, list[str]] = defaultdict(list)
         for entry in entries:
             by_stream[entry.stream].append(entry.entry_id)
         for stream, entry_ids in by_stream.items():
-            self.keep_script(keys=[stream], args=[GROUP, self.consumer, "" if idle is None else idle, *entry_ids],
-                             client=pipe)
+            batch.run(self.keep_script, (stream,), (GROUP, self.consumer, "" if idle is None else idle, *entry_ids))
         return list(by_stream)
 
     def retire(self) -> None:

@@ -36,6 +36,7 @@ DEFAULT_STALL_TIMEOUT_S = 300.0
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     redis_url: str = "redis://localhost:6379/0"
+    redis_cluster: bool = False  # the URL names a node of a Redis Cluster (producer/connect.py)
     redis_password_file: str | None = None
     name: str = msgspec.field(default_factory=default_name)
     prefix: str = "sb"
@@ -89,6 +90,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 WORKER_FLAGS = {
     "redis_url": "Redis URL",
+    "redis_cluster": "the URL names a node of a Redis Cluster",
     "redis_password_file": "a file holding the Redis password (a compose secret: /run/secrets/redis_worker_password), "
                            "in place of one in the URL",
     "name": "this worker's name, unique among live workers: its heartbeat key, and its consumer in the group "
@@ -131,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = {field.name: field.default for field in msgspec.structs.fields(WorkerConfig)}
     for name, description in WORKER_FLAGS.items():
         default = defaults[name] if name != "name" else None
-        parser.add_argument(flag(name), help=description + (f" (default {default})" if default is not None else ""))
+        action = argparse.BooleanOptionalAction if isinstance(default, bool) else "store"
+        parser.add_argument(flag(name), action=action,
+                            help=description + (f" (default {default})" if default is not None else ""))
     parser.add_argument(flag("pin_prefix"), action="append", metavar="TEXT",
                         help="keep this text prefix (tokenized as a prompt is) in the KV cache, never evicted; "
                              "repeatable, one from the variable. Pins for every worker, chat system prompts "

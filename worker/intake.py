@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import redis
 
+from producer.connect import is_cluster
 from producer.protocol import (FIELD, GROUP, LANES, MAX_ENTRY_BYTES, REQUEST_ID, Keys, Request, decode_request,
                                ensure_group)
 from worker.engine.engine import Engine
+from worker.subscription import Subscription
 from worker.tenants import LaneStreams
 
 DEAD_LETTERS_MAXLEN = 100_000  # approximate: a flood of garbage must not grow Redis without bound
@@ -99,24 +100,30 @@ def intake_room(engine: Engine, ahead: int) -> int:
 
 
 class Intake:
-    def __init__(self, client: redis.Redis, blocking: redis.Redis, keys: Keys, streams: LaneStreams, consumer: str,
-                 replay_ttl: int) -> None:
-        """`blocking` is a connection whose reply timeout allows for the BLOCK reads' wait."""
+    def __init__(self, client, blocking, keys: Keys, streams: LaneStreams, consumer: str, replay_ttl: int) -> None:
+        """`blocking` is a connection whose reply timeout allows for the BLOCK reads' wait (on one
+        node; on a cluster, where no read blocks, the client itself)."""
         self.client, self.blocking, self.keys, self.consumer = client, blocking, keys, consumer
         self.streams, self.replay_ttl = streams, replay_ttl
+        self.cluster = is_cluster(client)
+        self.enqueued = Subscription(client)  # on a cluster: the producers' nudges (Keys.enqueued)
 
     def ensure_groups(self, names: Iterable[str] | None = None) -> None:
         """The workers' group on these lane streams (by default every one served)."""
         for name in self.streams.names if names is None else names:
             ensure_group(self.client, name)
+        if self.cluster:
+            self.enqueued.add([stream.keys.enqueued for stream in self.streams.by_name.values()])
 
     def read(self, room: int, block_ms: int | None = None) -> list[Entry]:
         """About `room` new entries, fast lanes first: one read per lane over every tenant's stream
         of it, each asked for its share of the room. With `block_ms`, one read of every stream that
         waits that long for the first entry (only when the engine is idle: the wait would stall
-        running requests); it may take up to a share of each stream."""
+        running requests); it may take up to a share of each stream. On a cluster see `_read_each`."""
         if room <= 0:
             return []
+        if self.cluster:
+            return self._read_each(room, block_ms)
         if block_ms is not None:
             names = self.streams.names
             return self._entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
@@ -127,6 +134,21 @@ class Intake:
             if len(entries) < room:
                 entries += self._entries(self.client.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
                                                                 count=_share(room - len(entries), len(names))))
+        return entries
+
+    def _read_each(self, room: int, block_ms: int | None) -> list[Entry]:
+        """On a cluster an XREADGROUP reads streams of one slot, and each stream has its own: one
+        read per stream, all in one pipeline (a round trip per node), which cannot block. An idle
+        worker (`block_ms`) that finds nothing waits up to block_ms for a producer's enqueue nudge
+        and reads again at once if one came: so it polls at most 1000 / block_ms times a second
+        (2 with the defaults) while no request comes, and takes one as soon as it is nudged."""
+        names = self.streams.names
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.xreadgroup(GROUP, self.consumer, {name: ">"}, count=_share(room, len(names)))
+        entries = [entry for reply in pipe.execute() for entry in self._entries(reply)]
+        if not entries and block_ms is not None and self.enqueued.messages(timeout=block_ms / 1000):
+            return self._read_each(room, None)
         return entries
 
     @staticmethod
@@ -140,9 +162,12 @@ class Intake:
         are recorded first: XACK and XDEL each, so that a lane stream's length is its backlog.
         `fences`: the attempt keys of the requests among them that this worker claimed (kept while
         their entries were pending), which now get the replay stream's TTL. One MULTI: a dead
-        letter is never lost to an ack cut short, nor recorded twice."""
-        pipe = self.client.pipeline(transaction=True)
+        letter is never lost to an ack cut short, nor recorded twice. On a cluster, where these keys
+        are on several nodes, the dead letters go first, in a round trip of their own: one cut short
+        after them is recorded again when its entry is reclaimed, never lost."""
+        pipe = self.client.pipeline(transaction=not self.cluster)
         entries = list(entries)
+        dead_letters = list(dead_letters)
         for entry, reason, request_id in dead_letters:
             payload = entry.payload
             pipe.xadd(self.keys.dead_letters, {"tenant": self.streams[entry.stream].tenant, "id": request_id or "",
@@ -152,6 +177,8 @@ class Intake:
                                                "entry_id": entry.entry_id},
                       maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
             entries.append(entry)
+        if self.cluster and dead_letters:
+            pipe.execute()
         for entry in entries:
             pipe.xack(entry.stream, GROUP, entry.entry_id)
             pipe.xdel(entry.stream, entry.entry_id)

@@ -1,7 +1,9 @@
-"""Engine outputs -> protocol events, and one MULTI round trip per step that writes them all.
+"""Engine outputs -> protocol events, and one pipelined round trip per step (per node, on a
+cluster) that writes them all.
 
 Each request's events go through FENCED_WRITE: append to its replay stream (capped, with a
-TTL) and publish on its channel, only while its attempt key still holds this worker's
+TTL) and publish on its channel (SPUBLISH on a cluster: the channel is in the request's slot, so
+the fan-out stays on its node), only while its attempt key still holds this worker's
 attempt of the entry (`Flight.fence`, claims.py). A worker that stalled past the reclaim
 threshold, and so lost a request to another, cannot write one event more: the script answers
 0 and the worker drops the request without acking it. Numbering (`seq`) is per request and continues across attempts.
@@ -14,21 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import redis
-
+from producer.connect import is_cluster
 from producer.protocol import FIELD, TERMINAL, DoneEvent, ErrorEvent, Event, TokenEvent, encode
 from worker.engine.outputs import RequestOutput
 from worker.flight import Flight
+from worker.scripts import Batch, Script
 
 FENCED_WRITE = """
 -- KEYS: attempt key, replay stream, submission key.
--- ARGV: fence (the attempt key's value for this writer), channel, field, maxlen, ttl, terminal (1/0), event...
+-- ARGV: fence (the attempt key's value for this writer), channel, field, maxlen, ttl, terminal (1/0),
+--       the publish command (PUBLISH, or SPUBLISH on a cluster), event...
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
-for i = 7, #ARGV do
+for i = 8, #ARGV do
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], ARGV[i])
-  redis.call('PUBLISH', ARGV[2], ARGV[i])
+  redis.call(ARGV[7], ARGV[2], ARGV[i])
 end
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 if ARGV[6] == '1' then
@@ -41,10 +44,11 @@ return 1
 
 
 class Outbox:
-    def __init__(self, client: redis.Redis, replay_maxlen: int, replay_ttl: int) -> None:
+    def __init__(self, client, replay_maxlen: int, replay_ttl: int) -> None:
         self.client = client
         self.replay_maxlen, self.replay_ttl = replay_maxlen, replay_ttl
-        self.sha = client.script_load(FENCED_WRITE)
+        self.script = Script(client, FENCED_WRITE)
+        self.publish = "SPUBLISH" if is_cluster(client) else "PUBLISH"
 
     # --- events ------------------------------------------------------------------------
     def add_output(self, flight: Flight, output: RequestOutput) -> None:
@@ -69,23 +73,16 @@ class Outbox:
     def flush(self, flights: Iterable[Flight]) -> list[tuple[Flight, bool]]:
         """Write every pending event; -> (flight, written) for each flight that had some,
         written=False meaning another worker holds the request now."""
-        batch = [flight for flight in flights if flight.pending]
-        if not batch:
+        flights = [flight for flight in flights if flight.pending]
+        if not flights:
             return []
-        try:
-            written = self._write(batch)
-        except redis.exceptions.NoScriptError:  # the server lost its script cache (restart, SCRIPT FLUSH)
-            self.sha = self.client.script_load(FENCED_WRITE)
-            written = self._write(batch)
-        for flight in batch:
-            flight.pending.clear()
-        return [(flight, bool(ok)) for flight, ok in zip(batch, written)]
-
-    def _write(self, batch: list[Flight]) -> list[int]:
-        pipe = self.client.pipeline(transaction=True)
-        for flight in batch:
+        batch = Batch(self.client)
+        for flight in flights:
             request_id, keys = flight.request_id, flight.keys
-            pipe.evalsha(self.sha, 3, keys.attempt(request_id), keys.replay(request_id),
-                         keys.submitted(request_id), flight.fence, keys.tokens(request_id), FIELD,
-                         self.replay_maxlen, self.replay_ttl, int(flight.finished), *flight.pending)
-        return pipe.execute()
+            batch.run(self.script, (keys.attempt(request_id), keys.replay(request_id), keys.submitted(request_id)),
+                      (flight.fence, keys.tokens(request_id), FIELD, self.replay_maxlen, self.replay_ttl,
+                       int(flight.finished), self.publish, *flight.pending))
+        written = batch.execute()
+        for flight in flights:
+            flight.pending.clear()
+        return [(flight, bool(ok)) for flight, ok in zip(flights, written)]

@@ -31,8 +31,9 @@ import msgspec
 import redis
 import structlog
 
-from producer.protocol import (DEFAULT_TENANT, LANES, ErrorEvent, Keys, Request, connection_options, decode_request,
-                               encode, is_missing_group, is_tls_refusal, read_password)
+from producer.connect import connect
+from producer.protocol import (DEFAULT_TENANT, LANES, ErrorEvent, Keys, Request, decode_request, encode,
+                               is_missing_group, is_tls_refusal, read_password)
 from worker.cancels import Cancels
 from worker.claims import Claim, Claims
 from worker.config import WorkerConfig
@@ -65,7 +66,7 @@ class Worker:
         self.keys = Keys(config.prefix)
         self.consumer = new_consumer(config.name)
         password = read_password(config.redis_password_file) if config.redis_password_file else None
-        self.client = redis.Redis.from_url(config.redis_url, **connection_options(password=password))
+        self.client = connect(config.redis_url, cluster=config.redis_cluster, password=password)
         self.health = Health(stall_timeout=config.stall_timeout)
         self.metrics = Metrics(self.health)
         self.metrics_server = (self.metrics.serve(config.metrics_host, config.metrics_port)
@@ -82,7 +83,8 @@ class Worker:
                              f"({self.engine.max_model_len}): every event of a request must stay replayable")
         self.wait_for_redis()
         self.refuse_v1_layout()
-        blocking = redis.Redis.from_url(config.redis_url, **connection_options(config.block_ms, password))
+        blocking = self.client if config.redis_cluster else connect(config.redis_url, password=password,
+                                                                    blocking_ms=config.block_ms)
         self.intake = Intake(self.client, blocking, self.keys, self.streams, self.consumer, config.replay_ttl)
         self.claims = Claims(self.client, self.keys, self.streams, self.consumer, config.replay_ttl,
                              config.reclaim_idle_ms)
@@ -488,6 +490,7 @@ class Worker:
             self.log.error("worker.close_failed", error=str(error))
         self.step_watch.close()
         self.cancels.close()
+        self.intake.enqueued.close()
         self.intake.blocking.close()
         self.client.close()
         if self.metrics_server is not None:

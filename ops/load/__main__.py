@@ -35,12 +35,13 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from ops.demo import running_gateway
+from ops.demo import running_gateway, use_cluster_option
 from ops.tool import run_tool
 from ops.load.compare import LOAD_SHARE, capacity, compare, comparison_table
 from ops.load.report import ALL, report_table, summarize, sweep_table, to_json
 from ops.load.runner import RunResult, private_deployment, run
 from ops.load.trace import TOKEN_IDS, at_rate, generate, offered_rate, read_trace, write_trace
+from producer.connect import add_cluster_flag
 
 # What every run of a comparison gives the worker besides --policy: seats for a static batch of 16
 # and room in the engine's queue to form it, and a token budget that keeps a step with a prefill
@@ -49,7 +50,10 @@ COMPARE_WORKER_ARGS = "--max-num-seqs 16 --intake-ahead 16 --token-budget 512"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "redis_cluster"):
+        use_cluster_option(parser, args)
     console = Console()
     return run_tool("load", lambda: args.command(args, console), console)
 
@@ -114,6 +118,7 @@ def target_options(worker_args: str = "") -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     group = options.add_argument_group("target")
     group.add_argument("--redis-url", help="a live deployment (default: a private one)")
+    add_cluster_flag(group)
     group.add_argument("--metrics-url", action="append", default=[],
                        help="a live worker's /metrics URL, for its counters (repeat per worker)")
     group.add_argument("--prefix", default="sb", help="key prefix of the live deployment")

@@ -1,4 +1,4 @@
-"""streambatch-gateway --redis-url URL --host H --port P [--anonymous-tenant NAME]
+"""streambatch-gateway --redis-url URL [--redis-cluster] --host H --port P [--anonymous-tenant NAME]
 
 The OpenAI-compatible HTTP gateway under uvicorn. Stateless: run as many replicas as you like
 behind a load balancer, all on the same Redis.
@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from producer.connect import add_cluster_flag
 from producer.gateway.shapes import DEFAULT_MAX_TOKENS
 from producer.protocol import PASSWORD_ON_COMMAND_LINE, check_tenant, has_password, read_password, redacted
 from producer.shell import DEFAULT_URL
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", help=f"default: $STREAMBATCH_REDIS_URL, else {DEFAULT_URL}")
     parser.add_argument("--redis-password-file", default=os.environ.get("STREAMBATCH_REDIS_PASSWORD_FILE"),
                         help="a file holding the Redis password (default: $STREAMBATCH_REDIS_PASSWORD_FILE)")
+    add_cluster_flag(parser)
     parser.add_argument("--prefix", default=os.environ.get("STREAMBATCH_PREFIX", "sb"), help="key prefix")
     parser.add_argument("--host", default=os.environ.get("STREAMBATCH_GATEWAY_HOST", "127.0.0.1"),
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from producer.gateway.app import Settings, create_app
 
     app = create_app(Settings(url, password, args.prefix, args.anonymous_tenant, args.default_max_tokens,
-                              args.queue_timeout))
+                              args.queue_timeout, args.redis_cluster))
     print(f"streambatch-gateway: http://{args.host}:{args.port}/v1 on {redacted(url)}"
           + (f", anonymous requests as tenant {args.anonymous_tenant}" if args.anonymous_tenant else ""), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -51,6 +51,7 @@ class Settings:
     anonymous_tenant: str | None = None  # serves requests without an API key as this tenant
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     queue_timeout: float | None = None  # seconds a request may wait for a worker (then a 504)
+    cluster: bool = False  # redis_url names a node of a Redis Cluster
 
 
 class HTTPFailure(Exception):
@@ -77,7 +78,8 @@ class Metrics:
 class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.producer = AsyncProducer(settings.redis_url, prefix=settings.prefix, password=settings.password)
+        self.producer = AsyncProducer(settings.redis_url, prefix=settings.prefix, password=settings.password,
+                                      cluster=settings.cluster)
         self.tenants = Tenants(self.producer.redis, self.producer.keys, settings.anonymous_tenant)
         self.metrics = Metrics()
         self._producers: dict[tuple[str, int | None], AsyncProducer] = {}
