@@ -1,10 +1,10 @@
 """Redis ACL rules for the four roles, made from the key layout (protocol.Keys) in one place,
 `role_rules`, so that renaming a key changes who may touch it with it, never silently.
 
-- A tenant's producer (`tenant-<name>`): XADD to its own lane streams; read its requests'
-  replay streams and submission keys, its streams' lengths and pending counts; SUBSCRIBE to its
-  requests' channels; SET (and DEL) its submission keys, SET its cancel keys and PUBLISH on its
-  cancel channel. Nothing else: no other tenant's key or channel, no shared key (registry, pins,
+- A tenant's producer (`tenant-<name>`): XADD to its own lane streams (every shard); read its
+  requests' replay streams and submission keys, its streams' lengths and pending counts, and its
+  shard count; SUBSCRIBE to its requests' channels; SET (and DEL) its submission keys, SET its
+  cancel keys and PUBLISH on its cancel channel and, on a cluster, its enqueue channel. Nothing else: no other tenant's key or channel, no shared key (registry, pins,
   dead letters, heartbeats), no SCAN, KEYS, EVAL, FLUSHALL, CONFIG, DEBUG, MODULE or SCRIPT, and
   no DEL or SET of a stream, nor an XADD to a replay stream (that would forge events).
 - The gateway (`gateway`, producer/gateway): a producer's rights on every tenant's keys, plus
@@ -32,15 +32,19 @@ DEFAULT_USER, GATEWAY_USER, WORKER_USER, OPERATOR_USER = "default", "gateway", "
 # (from its compose secret), so that no secret is in the file.
 PASSWORD_PLACEHOLDER = "@{user}_PASSWORD_SHA256@"
 
-_BASE = ["+ping", "+multi", "+exec", "+discard"]
+# What every role's client needs; on a cluster, redis-py's client first reads the slot map and the
+# command table (CLUSTER SLOTS or SHARDS, COMMAND).
+_BASE = ["+ping", "+multi", "+exec", "+discard", "+cluster|slots", "+cluster|shards", "+command"]
 _WORKER_COMMANDS = [
     "+xreadgroup", "+xack", "+xdel", "+xadd", "+xclaim", "+xautoclaim", "+xpending", "+xinfo|consumers",
     "+xgroup|create", "+xgroup|delconsumer", "+xtrim", "+xlen", "+xrange",
     "+evalsha", "+script|load", "+script|exists",
     "+get", "+set", "+expire", "+pexpire", "+exists", "+del", "+hgetall", "+publish", "+subscribe", "+unsubscribe",
+    "+spublish",  # the fenced write's, on a cluster
 ]
 _OPERATOR_COMMANDS = [
     "+scan", "+type", "+get", "+exists", "+hgetall", "+hget", "+hexists", "+hset", "+hdel", "+xlen", "+xrange", "+xrevrange",
+    "+set", "+del",  # the tenants' shard counts (Keys.shards)
     "+xpending", "+xinfo|groups", "+xinfo|consumers",
     "+acl|setuser", "+acl|deluser", "+acl|getuser", "+acl|users", "+acl|save", "+acl|whoami",
 ]
@@ -57,15 +61,17 @@ def _pattern(name: str) -> str:
 
 def _producer_rules(keys: Keys) -> list[str]:
     """What a producer does, on `keys`' tenant's keys (every tenant's for Keys(prefix, ANY_NAME))."""
-    streams = [f"~{_pattern(keys.requests(lane))}" for lane in LANES]
+    streams = [f"~{_pattern(keys.requests(lane, ANY_NAME))}" for lane in LANES]
     return ["resetkeys", "resetchannels", "-@all", *_BASE,
-            "+xlen", "+xpending", "+xrange", "+exists", "+get", "+subscribe", "+unsubscribe",
+            "+xlen", "+xpending", "+xrange", "+exists", "+get", "+subscribe", "+unsubscribe", "+ssubscribe",
+            "+sunsubscribe",
             *(f"%R{rule}" for rule in streams), f"%R~{_pattern(keys.replay(ANY_NAME))}",
-            f"%R~{_pattern(keys.submitted(ANY_NAME))}", f"&{_pattern(keys.tokens(ANY_NAME))}",
+            f"%R~{_pattern(keys.submitted(ANY_NAME))}", f"%R~{_pattern(keys.shards)}",
+            f"&{_pattern(keys.tokens(ANY_NAME))}",
             f"(+xadd {' '.join(streams)})",
             f"(+set +del ~{_pattern(keys.submitted(ANY_NAME))})",
             f"(+set ~{_pattern(keys.cancelled(ANY_NAME))})",
-            f"(+publish &{_pattern(keys.cancel_channel)})"]
+            f"(+publish &{_pattern(keys.cancel_channel)} &{_pattern(keys.enqueued)})"]
 
 
 def role_rules(role: Role, keys: Keys) -> list[str]:

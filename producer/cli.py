@@ -32,8 +32,8 @@ from producer.client import Producer
 from producer.completion import Completion
 from producer.connect import add_cluster_flag
 from producer.errors import Disconnected, ProducerError
-from producer.protocol import (DEFAULT_TENANT, LANES, PASSWORD_ON_COMMAND_LINE, DoneEvent, ErrorEvent, TokenEvent,
-                               TokenLogprob, check_tenant, has_password, read_password, redacted)
+from producer.protocol import (DEFAULT_TENANT, LANES, MAX_SHARDS, PASSWORD_ON_COMMAND_LINE, DoneEvent, ErrorEvent,
+                               TokenEvent, TokenLogprob, check_tenant, has_password, read_password, redacted)
 from producer.shell import DEFAULT_URL, TENANT_ENV
 from producer.tenants import TenantRegistry
 
@@ -152,12 +152,19 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("name", type=_tenant)
     add.add_argument("--weight", type=float, default=1.0, help="its share of the fleet (default %(default)s)")
     add.add_argument("--max-backlog", type=int, default=10_000, help="per lane (default %(default)s)")
+    add.add_argument("--shards", type=int, default=1,
+                     help=f"intake streams per lane, to spread over a cluster's nodes (1-{MAX_SHARDS}; default 1)")
     rotate = actions.add_parser("rotate-key", help="new Redis password and API key; the old ones stop at once")
     rotate.add_argument("name", type=_tenant)
     for issuing, adding in ((add, True), (rotate, False)):
         issuing.add_argument("--password-file", required=True, type=Path,
                              help="where the tenant's new Redis password goes (made with mode 0600; never printed)")
         issuing.set_defaults(run=_tenant_issue, adding=adding)
+    reshard = actions.add_parser("reshard", help="spread a tenant's new requests over N intake streams per lane "
+                                                 "(safe with requests in flight)")
+    reshard.add_argument("name", type=_tenant)
+    reshard.add_argument("shards", type=int, help=f"1-{MAX_SHARDS}")
+    reshard.set_defaults(run=_tenant_reshard)
     remove = actions.add_parser("remove", help="unregister a tenant and delete its Redis user")
     remove.add_argument("name", type=_tenant)
     remove.set_defaults(run=_tenant_remove)
@@ -320,7 +327,8 @@ def _tenant_issue(producer: Producer, args, errors: Console) -> int:
     try:
         with os.fdopen(descriptor, "w") as out:
             if adding:
-                issued = registry.add(args.name, weight=args.weight, max_backlog=args.max_backlog)
+                issued = registry.add(args.name, weight=args.weight, max_backlog=args.max_backlog,
+                                      shards=args.shards)
             else:
                 issued = registry.rotate_key(args.name)
             out.write(issued.password + "\n")
@@ -341,6 +349,17 @@ def _tenant_issue(producer: Producer, args, errors: Console) -> int:
     return 0
 
 
+def _tenant_reshard(producer: Producer, args, errors: Console) -> int:
+    try:
+        entry = TenantRegistry(producer.redis, producer.keys).reshard(args.name, args.shards)
+    except ValueError as error:
+        errors.print(f"[red]error:[/] {escape(str(error))}")
+        return 1
+    errors.print(f"tenant {args.name}: new requests over {entry.shards} shard(s) per lane; workers read "
+                 f"{entry.max_shards} (every shard it has had, so nothing enqueued before is stranded)")
+    return 0
+
+
 def _tenant_remove(producer: Producer, args, errors: Console) -> int:
     try:
         persisted = TenantRegistry(producer.redis, producer.keys).remove(args.name)
@@ -358,12 +377,15 @@ def _tenant_list(producer: Producer, args, errors: Console) -> int:
     registered = TenantRegistry(producer.redis, producer.keys).list()
     if args.json:
         print(msgspec.json.encode([{"tenant": entry.tenant, "weight": entry.entry.weight,
-                                    "max_backlog": entry.entry.max_backlog, "user": entry.has_user}
+                                    "max_backlog": entry.entry.max_backlog, "shards": entry.entry.shards,
+                                    "user": entry.has_user}
                                    for entry in registered]).decode())
         return 0
-    table = Table("tenant", "weight", "max backlog", "Redis user", title="tenants")
+    table = Table("tenant", "weight", "max backlog", "shards", "Redis user", title="tenants")
     for entry in registered:
         table.add_row(entry.tenant, f"{entry.entry.weight:g}", str(entry.entry.max_backlog),
+                      str(entry.entry.shards) + (f" (reads {entry.entry.max_shards})"
+                                                 if entry.entry.max_shards > entry.entry.shards else ""),
                       tenant_user(entry.tenant) if entry.has_user else "[yellow]missing[/]")
     Console(highlight=False).print(table)
     return 0

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import zlib
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,14 +43,15 @@ import msgspec
 
 from producer.errors import (Disconnected, EventsLost, NotPermitted, ProtocolViolation, QueueFull,
                              UnknownRequest)
-from producer.protocol import (ENQUEUE_TTL_S, FIELD, GROUP, LANES, Event, Keys, Request, Submission, decode_event,
-                               decode_request, decode_submission, encode)
+from producer.protocol import (ENQUEUE_TTL_S, FIELD, GROUP, LANES, MAX_SHARDS, Event, Keys, Request, Submission,
+                               decode_event, decode_request, decode_submission, encode)
 from producer.sequencer import EventSequencer
 from producer.stats import LaneStats, QueueStats, parse_heartbeat
 from producer.submission import choose_lane, encoded
 
 RECONNECT_PATIENCE_S = 60.0
 SUBMIT_PATIENCE_S = 10.0
+SHARDS_REFRESH_S = 5.0  # how long a producer keeps its tenant's shard count before reading it again
 ENQUEUE_POLL_S = 0.2  # how often a submit of an id that another submit is enqueueing looks again
 # A flow's wait before it tries a lost connection again, doubling while it stays lost.
 RECONNECT_RETRY_S, MAX_RECONNECT_RETRY_S = 0.1, 2.0
@@ -128,6 +130,7 @@ class ProducerCore:
         self.keys, self.max_backlog = keys, max_backlog
         self.claim_ttl, self.poll_interval = claim_ttl, poll_interval
         self.cluster = cluster
+        self.shard_count = (float("-inf"), 1)  # (read at, the tenant's shard count)
 
     def submit(self, request: Request) -> Flow:
         """-> (lane, duplicate). Takes the id (SET NX, short-lived, with this call's token),
@@ -138,7 +141,9 @@ class ProducerCore:
         (InvalidRequest) before anything reaches Redis."""
         entry = encoded(request)
         lane = choose_lane(request)
-        stream = self.keys.requests(lane)
+        shards = yield from self.shards(Deadline(None, request.id))
+        stream = self.keys.requests(lane, shard_of(request.id, shards))
+        max_backlog = -(-self.max_backlog // shards)  # the lane's limit, shared by its shards
         claim, token = self.keys.submitted(request.id), uuid.uuid4().hex
         gives_up_at = time.monotonic() + SUBMIT_PATIENCE_S
         while True:
@@ -154,9 +159,9 @@ class ProducerCore:
                 return held.lane, True
             if held is not None and held.state == "queued":
                 return lane, False  # our enqueue went through; only its reply was lost
-            if backlog >= self.max_backlog:
+            if backlog >= max_backlog:
                 yield Call((command("delete", claim),))
-                raise QueueFull(lane, backlog, self.max_backlog)
+                raise QueueFull(lane, backlog * shards, self.max_backlog)
             try:
                 yield from self._enqueue(stream, entry, claim, Submission(lane, by=token))
                 return lane, False
@@ -179,6 +184,16 @@ class ProducerCore:
         yield Call((command("set", claim, encode(queued), xx=True, ex=self.claim_ttl),))
         yield Call((command("publish", self.keys.enqueued, queued.lane),))
 
+    def shards(self, clock: Deadline) -> Flow:
+        """-> the tenant's shard count (Keys.shards), read again once SHARDS_REFRESH_S old. Missing or
+        unreadable (a tenant user from before shards) it is 1: shard 0 is always served."""
+        read_at, shards = self.shard_count
+        if time.monotonic() - read_at >= SHARDS_REFRESH_S:
+            [value] = yield from _patiently(Call((command("get", self.keys.shards),), raise_on_error=False), clock)
+            shards = _shard_count(value)
+            self.shard_count = (time.monotonic(), shards)
+        return shards
+
     def cancel(self, request_id: str) -> Flow:
         """A durable flag (checked by the worker every step) plus a nudge on the channel: one MULTI,
         or on a cluster the flag first (the nudge only says when to look)."""
@@ -191,13 +206,16 @@ class ProducerCore:
             yield Call((flag, nudge), transaction=True)
 
     def stats(self) -> Flow:
+        """-> QueueStats: each lane's backlog and pending entries over the tenant's shards."""
+        shards = yield from self.shards(Deadline(None, "stats"))
         lanes = {}
         for lane in LANES:
-            stream = self.keys.requests(lane)
-            backlog, pending = yield Call((command("xlen", stream), command("xpending", stream, GROUP)),
-                                          raise_on_error=False)
-            lanes[lane] = LaneStats(backlog=_reply(backlog),
-                                    pending=0 if isinstance(pending, Exception) else pending["pending"])
+            streams = [self.keys.requests(lane, shard) for shard in range(shards)]
+            replies = yield Call(tuple(command(name, stream, *([GROUP] if name == "xpending" else []))
+                                       for stream in streams for name in ("xlen", "xpending")), raise_on_error=False)
+            lanes[lane] = LaneStats(backlog=sum(_reply(backlog) for backlog in replies[::2]),
+                                    pending=sum(0 if isinstance(pending, Exception) else pending["pending"]
+                                                for pending in replies[1::2]))
         try:
             workers = yield from self.workers()
             [dead_letters] = yield Call((command("xlen", self.keys.dead_letters),))
@@ -384,6 +402,19 @@ def _patiently(operation: Call | Subscribe, clock: Deadline, patience_s: float |
             return (yield operation)
         except Disconnected as error:
             yield from reconnect.lost(error)
+
+
+def shard_of(request_id: str, shards: int) -> int:
+    """The intake shard of a request: by its id's hash, the same in every producer."""
+    return zlib.crc32(request_id.encode()) % shards
+
+
+def _shard_count(value) -> int:
+    try:
+        shards = int(value)
+    except (TypeError, ValueError):  # missing, or an error in its place (NOPERM)
+        return 1
+    return shards if 1 <= shards <= MAX_SHARDS else 1
 
 
 def _reply(value):

@@ -377,6 +377,7 @@ def is_missing_group(error: Exception) -> bool:
 
 
 TENANT = re.compile(r"[a-z0-9_-]{1,32}")  # tenant names end up inside key names and ACL rules
+MAX_SHARDS = 64  # intake streams per (tenant, lane): each is a hash tag of its own, to spread over nodes
 DEFAULT_TENANT = "default"  # the embedded start's one tenant, always served
 
 
@@ -394,12 +395,19 @@ class Tenant(msgspec.Struct, omit_defaults=True):
     weight: float = 1.0  # its share of the fleet against other tenants'
     max_backlog: int = 10_000  # per lane, entries waiting or in flight
     api_key_sha256: str = ""  # of its gateway API key (producer/tenants.py), never the key itself
+    shards: int = 1  # intake streams per lane that producers spread new requests over (Keys.requests)
+    # The most shards it has had: workers read them all, so that what was enqueued before a reshard
+    # down is served (the registry never lowers it).
+    max_shards: int = 1
 
     def __post_init__(self) -> None:
         if not (0 < self.weight <= 1000):
             raise ValueError(f"weight must be in (0, 1000], got {self.weight}")
         if self.max_backlog < 1:
             raise ValueError(f"max_backlog must be >= 1, got {self.max_backlog}")
+        if not 1 <= self.shards <= self.max_shards <= MAX_SHARDS:
+            raise ValueError(f"shards must be in [1, {MAX_SHARDS}] and at most max_shards, "
+                             f"got {self.shards} and {self.max_shards}")
 
 
 _tenant_decoder = msgspec.json.Decoder(Tenant)
@@ -437,7 +445,7 @@ class Keys:
     - `replay(id)`: every event write sets its TTL to the worker's replay TTL (DEFAULT_REPLAY_TTL_S).
     - `worker(name)`: the heartbeat, a few seconds past the next beat.
     - `dead_letters`: trimmed to the workers' --dead-letter-ttl, and capped.
-    - `pins`, `tenants`: permanent, operator-managed.
+    - `pins`, `tenants`, `shards`: permanent, operator-managed.
     - `tokens(id)`, `cancel_channel`, `enqueued`: channels, nothing stored.
     """
 
@@ -454,10 +462,16 @@ class Keys:
         """The same layout for another tenant."""
         return self if tenant == self.tenant else Keys(self.prefix, tenant)
 
-    def requests(self, lane: Lane, shard: int = 0) -> str:
-        """The tenant's intake stream of a lane. Layout v2 names a shard so that a (tenant, lane)
-        can later be split over streams on several nodes; there is one shard, 0, for now."""
+    def requests(self, lane: Lane, shard: int | str = 0) -> str:
+        """The tenant's intake stream of a lane: one of its shards (Tenant.shards), each with a hash
+        tag of its own, so that a busy (tenant, lane) spreads over a cluster's nodes."""
         return f"{self.tenant_prefix}req:{{{self.tenant}.{lane}.{shard}}}"
+
+    @property
+    def shards(self) -> str:
+        """The tenant's shard count (Tenant.shards) for its producers, who may not read the registry:
+        written by the operator beside the registry entry, read-only to the tenant (producer/acl.py)."""
+        return f"{self.prefix}:shards:{self.tenant}"
 
     def v1_requests(self, lane: Lane) -> str:
         """The lane stream of layout v1 (no tenants), looked at only to refuse a start over it."""

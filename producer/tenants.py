@@ -44,13 +44,25 @@ class TenantRegistry:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client, self.keys = client, keys
 
-    def add(self, tenant: str, weight: float = 1.0, max_backlog: int = 10_000) -> Credentials:
+    def add(self, tenant: str, weight: float = 1.0, max_backlog: int = 10_000, shards: int = 1) -> Credentials:
         """Register a new tenant with its ACL user and API key. Raises ValueError for a bad name or
         one registered already, redis.ResponseError (NOPERM) for a user who is not the operator."""
         check_tenant(tenant)
         if self.client.hexists(self.keys.tenants, tenant):
             raise ValueError(f"tenant {tenant!r} is registered already (rotate-key makes it new credentials)")
-        return self._issue(tenant, Tenant(weight=weight, max_backlog=max_backlog))
+        return self._issue(tenant, Tenant(weight=weight, max_backlog=max_backlog, shards=shards, max_shards=shards))
+
+    def reshard(self, tenant: str, shards: int) -> Tenant:
+        """Spread the tenant's new requests over `shards` intake streams per lane, while requests are
+        in flight: workers read every shard the tenant has had (max_shards) from their next
+        heartbeat, so nothing enqueued before a reshard down is stranded, and producers move to the
+        new count within producer.core.SHARDS_REFRESH_S (an entry a producer still sends to a
+        shard it no longer should is served all the same). Raises ValueError for a bad count."""
+        entry = self._entry(tenant)
+        entry = Tenant(**msgspec.structs.asdict(entry) | {"shards": shards,
+                                                          "max_shards": max(entry.max_shards, shards)})
+        self._write(tenant, entry)
+        return entry
 
     def rotate_key(self, tenant: str) -> Credentials:
         """New Redis password and API key for a registered tenant; the old ones stop working at once."""
@@ -63,6 +75,7 @@ class TenantRegistry:
         self._entry(tenant)
         self.client.execute_command("ACL", "DELUSER", tenant_user(tenant))
         self.client.hdel(self.keys.tenants, tenant)
+        self.client.delete(self.keys.of(tenant).shards)
         return self._save()
 
     def list(self) -> list[Registered]:
@@ -82,9 +95,14 @@ class TenantRegistry:
         username = tenant_user(tenant)
         self.client.execute_command("ACL", "SETUSER", username, "reset", "on", f">{password}",
                                     *role_rules("tenant", self.keys.of(tenant)))
-        entry = msgspec.structs.replace(entry, api_key_sha256=api_key_hash(api_key))
-        self.client.hset(self.keys.tenants, tenant, msgspec.json.encode(entry))
+        self._write(tenant, msgspec.structs.replace(entry, api_key_sha256=api_key_hash(api_key)))
         return Credentials(tenant, username, password, api_key, persisted=self._save())
+
+    def _write(self, tenant: str, entry: Tenant) -> None:
+        """The registry entry, then the shard count its producers read (Keys.shards): two keys,
+        which on a cluster no MULTI spans; either order loses no request (see reshard)."""
+        self.client.hset(self.keys.tenants, tenant, msgspec.json.encode(entry))
+        self.client.set(self.keys.of(tenant).shards, entry.shards)
 
     def _save(self) -> bool:
         """Persist the ACL users where Redis loads them from at its next start (its aclfile);

@@ -150,7 +150,7 @@ class Worker:
             if problems:
                 self.log.warning("tenants.unreadable", key=self.keys.tenants, problems=problems)
             self.registry_problems = problems
-        new = self.streams.serve([DEFAULT_TENANT, *registered])
+        new = self.streams.serve({DEFAULT_TENANT: 1} | {name: entry.max_shards for name, entry in registered.items()})
         if new:
             self.intake.ensure_groups(new)
             self.log.info("tenants.serving", tenants=self.streams.tenants)

@@ -1,7 +1,8 @@
 """Which tenants a worker serves, and their lane streams.
 
 The operators' registry (`Keys.tenants`) is read every heartbeat: a tenant added there is served
-from the next beat on, every one of its lane streams read, kept and reclaimed like the others;
+from the next beat on, every one of its lane streams (every shard it has had) read, kept and
+reclaimed like the others;
 the default tenant is served whether or not it is registered, so the embedded start needs no
 step. A tenant removed from the registry stays served by a running worker until it restarts:
 its streams may still hold entries, which must not be stranded mid-way. A request's tenant is
@@ -52,14 +53,16 @@ class LaneStreams:
         self.keys = keys
         self.by_name: dict[str, LaneStream] = {}
 
-    def serve(self, tenants) -> list[str]:
-        """Serve these tenants too; -> the streams that are new."""
+    def serve(self, tenants: dict[str, int]) -> list[str]:
+        """Serve these tenants too (name -> how many shards of each lane to read: the most the
+        tenant has had); -> the streams that are new."""
         added = {}
-        for tenant in tenants:
+        for tenant, shards in tenants.items():
             tenant_keys = self.keys.of(tenant)
             for lane in LANES:
-                if (name := tenant_keys.requests(lane)) not in self.by_name:
-                    added[name] = LaneStream(tenant_keys, lane)
+                for shard in range(shards):
+                    if (name := tenant_keys.requests(lane, shard)) not in self.by_name:
+                        added[name] = LaneStream(tenant_keys, lane)
         if added:
             merged = self.by_name | added
             self.by_name = {name: stream for lane in LANES for name, stream in merged.items() if stream.lane == lane}

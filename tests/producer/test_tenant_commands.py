@@ -10,7 +10,7 @@ import redis
 
 from producer.acl import OPERATOR_USER, WORKER_USER, users_acl
 from producer.cli import main
-from producer.protocol import Keys
+from producer.protocol import Keys, decode_tenant
 from tests.conftest import private_redis
 
 KEYS = Keys("sb")
@@ -60,13 +60,21 @@ def test_add_rotate_list_remove(secured, tmp_path, capsys):
 
     assert main(flags + ["tenant", "list", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == [{"tenant": "team-a", "weight": 2.0, "max_backlog": 10_000,
-                                                   "user": True}]
+                                                   "shards": 1, "user": True}]
+    assert main(flags + ["tenant", "reshard", "team-a", "4"]) == 0
+    assert main(flags + ["tenant", "reshard", "team-a", "2"]) == 0
+    assert "workers read 4" in capsys.readouterr().err
+    entry = decode_tenant(operator.hget(KEYS.tenants, "team-a"))
+    assert (entry.shards, entry.max_shards, operator.get(KEYS.of("team-a").shards)) == (2, 4, b"2")
+    assert main(flags + ["tenant", "reshard", "team-a", "65"]) == 1
+    assert "shards must be in [1, 64]" in capsys.readouterr().err
     as_tenant = ["--redis-url", f"redis://tenant-team-a@{host}", "--redis-password-file", str(password_file)]
     assert main(as_tenant + ["tenant", "add", "team-b", "--password-file", str(tmp_path / "b")]) == 1
     assert "no permissions" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
     assert main(flags + ["tenant", "remove", "team-a"]) == 0
     assert not logs_in(host, "tenant-team-a", new_password) and not operator.hexists(KEYS.tenants, "team-a")
+    assert not operator.exists(KEYS.of("team-a").shards)
     assert "tenant-team-a" not in acl.read_text()
 
 

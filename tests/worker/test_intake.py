@@ -64,7 +64,7 @@ def test_intake_room_keeps_a_few_waiting_and_nothing_while_the_pool_is_short(mod
 @pytest.fixture
 def intake(any_client):
     streams = LaneStreams(KEYS)
-    streams.serve([KEYS.tenant])
+    streams.serve({KEYS.tenant: 1})
     intake = Intake(any_client, any_client, KEYS, streams, "me", replay_ttl=60)
     intake.ensure_groups()
     intake.ensure_groups()  # BUSYGROUP is fine
