@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -91,6 +91,10 @@ class ModelInfo:
             dtype=model.dtype,
             sliding_window=getattr(config, "sliding_window", None),
         )
+
+    def per_rank(self, ranks: int) -> ModelInfo:
+        """One tensor-parallel rank's share: its heads (sharding.py), so its KV cache and KV bytes."""
+        return replace(self, num_heads=self.num_heads // ranks, num_kv_heads=self.num_kv_heads // ranks)
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
         """K and V of all layers for one block."""
