@@ -1,11 +1,16 @@
 """Tensor parallelism on the CPU: two ranks (this process and one it starts) over gloo must give the
 greedy tokens of one rank, token for token, on the tiny Llama, Qwen2 (GQA, q/k/v biases) and
 Mistral (a sliding window shorter than the prompts), under chunked prefill, prefix sharing and
-preemption; and what cannot be split is refused before any process starts."""
+preemption; a forward failing on rank 0 ends its process and the other rank; and what cannot be
+split is refused before any process starts."""
 
 import multiprocessing
 import random
 import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +18,7 @@ from producer.protocol import SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import load_model
+from worker.engine.parallel import EXIT_RANK_LOST
 from worker.engine.sharding import RowParallelLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,6 +97,48 @@ def test_preemption_gives_one_rank_s_tokens(engines):
     assert tokens_two == tokens_one
     assert two.scheduler.num_preemptions > preemptions, "the pool did not run short"
     assert two.scheduler.num_preemptions == one.scheduler.num_preemptions
+
+
+def running(pid: int) -> bool:
+    """Alive, not a zombie (whether anyone reaps a process whose parent died depends on the machine)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# Rank 0 in a process of its own: its end is what is tested.
+BROKEN_FORWARD = """
+import torch
+from producer.protocol import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+
+def broken(input_ids, meta):
+    raise RuntimeError("a broken forward")
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig.from_options("random:llama", num_blocks=8, tensor_parallel=2))
+    print(*engine.ranks.pids, flush=True)
+    engine.runner.forward = broken
+    engine.add_request("r", prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=2))
+    engine.step()
+    print("the engine went on after the failed step", flush=True)
+"""
+
+
+def test_a_forward_failing_on_rank_0_ends_its_process_and_the_other_rank(tmp_path):
+    script = tmp_path / "broken_forward.py"
+    script.write_text(BROKEN_FORWARD)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_RANK_LOST, result.stdout + result.stderr
+    assert "a step failed on rank 0 (RuntimeError: a broken forward); the ranks are out of step" in result.stderr
+    (rank_1,) = map(int, result.stdout.split())  # and nothing printed after the step
+    deadline = time.monotonic() + 3
+    while running(rank_1):
+        assert time.monotonic() < deadline, "rank 1 outlived rank 0"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("options, said", [

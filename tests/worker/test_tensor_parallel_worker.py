@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from producer.protocol import Request
+from tests.engine.test_tensor_parallel import running
 from worker.engine.parallel import EXIT_RANK_LOST
 
 from .conftest import (
@@ -51,14 +52,6 @@ def rank_pids(log: Path) -> list[int]:
         if event.get("event") == "worker.phase" and event["phase"].startswith("waiting for the other tensor-parallel"):
             return [int(pid) for pid in re.search(r"pids ([\d, ]+)", event["phase"]).group(1).split(", ")]
     raise AssertionError("the worker named no tensor-parallel ranks")
-
-
-def running(pid: int) -> bool:
-    """Alive, not a zombie (whether anyone reaps a process whose parent died depends on the machine)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def start_generating(client, ids: list[str], prompts: list[list[int]]) -> None:

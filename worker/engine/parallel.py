@@ -55,10 +55,10 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def load_shard(config: EngineConfig, rank: int, on_phase: Phase = quiet):
-    """-> (this rank's part of the model, the tokenizer or None): loaded whole on its device, then split."""
-    model, tokenizer = load_model(config.model, config.dtype, rank_device(config.device, rank), on_phase)
-    shard_model(model, rank, config.tensor_parallel)
-    return model, tokenizer
+    """-> (this rank's part of the model on its device, the tokenizer or None). A checkpoint is read
+    whole on the host and split there, so that the device never holds more than the part."""
+    return load_model(config.model, config.dtype, rank_device(config.device, rank), on_phase,
+                      keep_part=lambda model: shard_model(model, rank, config.tensor_parallel))
 
 
 def join_group(store: dist.Store, rank: int, config: EngineConfig) -> None:
