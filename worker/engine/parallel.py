@@ -62,10 +62,13 @@ def load_shard(config: EngineConfig, rank: int, on_phase: Phase = quiet):
 
 
 def join_group(store: dist.Store, rank: int, config: EngineConfig) -> None:
-    cuda = torch.device(config.device).type == "cuda"
-    if cuda:
+    if torch.device(config.device).type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=config.tensor_parallel)
+        # device_id: NCCL connects now, not in the first all-reduce, which may be inside a CUDA graph's capture
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=config.tensor_parallel,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=config.tensor_parallel)
 
 
 class Ranks:
@@ -104,8 +107,7 @@ class Ranks:
     def wait_ready(self) -> None:
         """Until every rank has built its runner (one that dies instead ends this process)."""
         for pipe in self.pipes:
-            if pipe.recv_bytes() != READY:
-                raise RuntimeError("a tensor-parallel rank spoke out of turn while starting")
+            pipe.recv_bytes()  # READY, the one thing a rank ever sends
 
     def run(self, inputs: StepInputs, compute: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
         """One step on every rank: `inputs` sent to the others, then `compute(inputs)`, rank 0's share."""
@@ -114,7 +116,7 @@ class Ranks:
             for pipe in self.pipes:
                 pipe.send_bytes(message)
             return compute(inputs)
-        except Exception as error:
+        except BaseException as error:  # a second Ctrl-C too: the other ranks would wait in a collective
             lost(f"a step failed on rank 0 ({type(error).__name__}: {error}); the ranks are out of step")
 
     def close(self) -> None:
