@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU: two ranks (this process and one it starts) over gloo must give the
 greedy tokens of one rank, token for token, on the tiny Llama, Qwen2 (GQA, q/k/v biases) and
 Mistral (a sliding window shorter than the prompts), under chunked prefill, prefix sharing and
-preemption; a forward failing on rank 0 ends its process and the other rank; and what cannot be
-split is refused before any process starts."""
+preemption; a forward failing on rank 0 ends its process, and rank 0's end the other rank's; and
+what cannot be split is refused before any process starts."""
 
 import multiprocessing
 import random
@@ -107,7 +107,8 @@ def running(pid: int) -> bool:
         return False
 
 
-# Rank 0 in a process of its own: its end is what is tested.
+# Rank 0 in a process of its own: its end is what is tested, and rank 1's after it (a rank sees its
+# rank 0 vanish alike whether it exited or was killed: its pipe and sockets close, its parent changes).
 BROKEN_FORWARD = """
 import torch
 from producer.protocol import SamplingParams
@@ -128,7 +129,7 @@ if __name__ == "__main__":
 """
 
 
-def test_a_forward_failing_on_rank_0_ends_its_process_and_the_other_rank(tmp_path):
+def test_a_forward_failing_on_rank_0_ends_its_process_and_rank_0_s_end_ends_rank_1(tmp_path):
     script = tmp_path / "broken_forward.py"
     script.write_text(BROKEN_FORWARD)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)

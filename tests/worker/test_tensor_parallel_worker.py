@@ -1,7 +1,7 @@
 """A tensor-parallel worker as a real process (`python -m worker --tensor-parallel 2`: two gloo ranks
 on the CPU, against a real redis-server): rank 1 killed mid-generation ends the worker at once,
-non-zero, and another worker finishes its requests with one rank's tokens; rank 0 killed takes
-rank 1 with it."""
+non-zero, and another worker finishes its requests with one rank's tokens. (Rank 0's end taking
+rank 1 with it: tests/engine/test_tensor_parallel.py.)"""
 
 import json
 import os
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from producer.protocol import Request
-from tests.engine.test_tensor_parallel import running
 from worker.engine.parallel import EXIT_RANK_LOST
 
 from .conftest import (
@@ -54,19 +53,15 @@ def rank_pids(log: Path) -> list[int]:
     raise AssertionError("the worker named no tensor-parallel ranks")
 
 
-def start_generating(client, ids: list[str], prompts: list[list[int]]) -> None:
-    for request_id, prompt in zip(ids, prompts):
-        submit(client, Request(id=request_id, prompt_ids=prompt, params=greedy(900)))
-    wait_for(lambda: all(len(replay(client, request_id)) >= 3 for request_id in ids), message="no tokens")
-
-
 def test_rank_1_killed_mid_generation_ends_the_worker_and_another_finishes_its_requests(
         spawn, client, model, make_worker, tmp_path):
     worker = spawn("tp", "--reclaim-idle-ms", "1500")
     wait_for(lambda: is_ready(client, "tp"), message="the tensor-parallel worker did not start")
     (rank_1,) = rank_pids(tmp_path / "tp.log")
     ids, prompts = [f"tp{i}" for i in range(4)], prompts_of(4, seed=5)
-    start_generating(client, ids, prompts)
+    for request_id, prompt in zip(ids, prompts):
+        submit(client, Request(id=request_id, prompt_ids=prompt, params=greedy(900)))
+    wait_for(lambda: all(len(replay(client, request_id)) >= 3 for request_id in ids), message="no tokens")
 
     os.kill(rank_1, signal.SIGKILL)
     killed = time.monotonic()
@@ -84,13 +79,3 @@ def test_rank_1_killed_mid_generation_ends_the_worker_and_another_finishes_its_r
         assert tokens_of(events) == tokens, request_id
         assert events[-1].attempt == 2
 
-
-def test_rank_0_killed_takes_rank_1_with_it(spawn, client, tmp_path):
-    worker = spawn("tp")
-    wait_for(lambda: is_ready(client, "tp"), message="the tensor-parallel worker did not start")
-    (rank_1,) = rank_pids(tmp_path / "tp.log")
-    start_generating(client, ["lone"], prompts_of(1, seed=6))
-
-    worker.kill()
-    worker.wait()
-    wait_for(lambda: not running(rank_1), timeout=3, message="rank 1 outlived rank 0")
