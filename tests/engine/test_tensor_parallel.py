@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU: two ranks (this process and one it starts) over gloo must give the
-greedy tokens of one rank, token for token, on the tiny Llama, Qwen2 (GQA, q/k/v biases) and
-Mistral (a sliding window shorter than the prompts), under chunked prefill, prefix sharing and
-preemption; a forward failing on rank 0 ends its process, and rank 0's end the other rank's; and
-what cannot be split is refused before any process starts."""
+greedy tokens of one rank, token for token, on the tiny Llama, Qwen2 and Mistral (a sliding window
+shorter than the prompts), and on a Llama checkpoint with biases on every projection (split on the
+host; o_proj's and down_proj's added once, after the all-reduce), under chunked prefill, prefix
+sharing and preemption; a forward failing on rank 0 ends its process, and rank 0's end the other
+rank's; and what cannot be split is refused before any process starts."""
 
 import multiprocessing
 import random
@@ -13,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from producer.protocol import SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.models import load_model
+from worker.engine.models import load_model, random_model
 from worker.engine.parallel import EXIT_RANK_LOST
 from worker.engine.sharding import RowParallelLinear
 
@@ -47,12 +49,31 @@ def prompts_of(count: int, seed: int, low: int, high: int, prefix: list[int] = (
     return [[*prefix, *(rng.randrange(2, 500) for _ in range(rng.randint(low, high)))] for _ in range(count)]
 
 
-@pytest.fixture(scope="module", params=["random:llama", "random:qwen2", "random:mistral"])
+BIASED_CHECKPOINT = "biased-checkpoint"
+
+
+@pytest.fixture(scope="module")
+def biased_checkpoint(tmp_path_factory) -> str:
+    """A Llama with random biases on every projection (a random model's are zeros), saved as a
+    checkpoint directory: each rank reads it on the host and moves only its part."""
+    model = random_model("random:llama:attention_bias=true,mlp_bias=true")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+    path = tmp_path_factory.mktemp("biased-llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["random:llama", "random:qwen2", "random:mistral", BIASED_CHECKPOINT])
 def engines(request):
     """(one rank, two ranks) on the same model and options; each workload goes through both alike,
     so their schedulers, pools and prefix caches stay in the same state."""
-    one = Engine(EngineConfig.from_options(request.param, **OPTIONS))
-    two = Engine(EngineConfig.from_options(request.param, tensor_parallel=2, **OPTIONS))
+    model = request.getfixturevalue("biased_checkpoint") if request.param == BIASED_CHECKPOINT else request.param
+    one = Engine(EngineConfig.from_options(model, **OPTIONS))
+    two = Engine(EngineConfig.from_options(model, tensor_parallel=2, **OPTIONS))
     yield one, two
     two.close()
 
