@@ -1,7 +1,8 @@
 """The engine on a GPU, next to what the GPU allows: one run, under 10 minutes on an H200.
 
     python -m ops.bench_gpu [--model random:llama3-8b] [--dtype bfloat16] [--device cuda]
-                            [--requests 1000] [--skip device,decode,...] [--json OUT] [--dry-run]
+                            [--tensor-parallel N] [--requests 1000] [--skip device,decode,...]
+                            [--json OUT] [--dry-run]
 
 Sections (a table each; --json OUT writes them all):
   device   memory bandwidth (a 4 GiB device-to-device copy: bytes read + written / time) and the
@@ -34,9 +35,13 @@ could overwrite.
 The KV cache is one engine's, sized for the largest need: the largest decode case (256 x 2,048
 tokens, on Llama-3-8B in bf16 128 KiB a token: 64 GiB) or the whole offline workload at once.
 On CUDA, attention is whichever backend the engine picks there by default.
+--tensor-parallel N splits the engine's model across N ranks (rank r on cuda:r; worker/engine/
+parallel.py). Every figure is then rank 0's: the KV cache, its size and the roofline bounds are one
+rank's (its 1/N of the layers' weights, heads and KV, and lm_head whole), the all-reduces between
+the ranks not counted; the greedy check's HF side runs the whole model, loaded beside the engine.
 --dry-run: random:llama with SmolLM2's vocabulary (so the workload's token ids fit), on the CPU in
 float32, 1 and 4 sequences of 32 and 64 tokens, 64-token prompts, 8 requests: the whole path in
-seconds (the test suite runs it).
+seconds (the test suite runs it, with --tensor-parallel 2 as well: two processes over gloo).
 """
 
 from __future__ import annotations
@@ -199,9 +204,10 @@ def offline_bench(engine: Engine, requests: list[tuple[list[int], int]]) -> dict
 
 
 @torch.inference_mode()
-def greedy_check(engine: Engine, label: str) -> dict:
-    """Greedy tokens of a few random prompts, batched in our engine, against HF generate's (see the
-    module docstring for what passes)."""
+def greedy_check(engine: Engine, label: str, reference: torch.nn.Module | None = None) -> dict:
+    """Greedy tokens of a few random prompts, batched in our engine, against HF generate's on
+    `reference` (default: the engine's own model; a tensor-parallel engine's is one rank's part), see
+    the module docstring for what passes."""
     rng = random.Random(2)
     prompts = [[rng.randrange(engine.info.vocab_size) for _ in range(n)] for n in GREEDY_PROMPT_LENGTHS]
     ours: dict[str, list[int]] = defaultdict(list)
@@ -211,7 +217,7 @@ def greedy_check(engine: Engine, label: str) -> dict:
     while engine.has_unfinished:
         for output in engine.step():
             ours[output.request_id] += output.token_ids
-    model, dtype = engine.model, engine.info.dtype
+    model, dtype = reference or engine.model, engine.info.dtype
     exact, largest_margin, passed = 0, 0.0, True
     model.set_attn_implementation("sdpa")
     try:
@@ -243,7 +249,7 @@ def small_model() -> str:
 
 
 def bench(args: argparse.Namespace, console: Console) -> None:
-    dry = args.dry_run
+    dry, ranks = args.dry_run, args.tensor_parallel
     model_name = args.model or (DRY_RUN_MODEL if dry else "random:llama3-8b")
     device = torch.device(args.device or ("cpu" if dry else "cuda"))
     dtype = parse_dtype(args.dtype or ("float32" if dry else "bfloat16"), device)
@@ -252,6 +258,8 @@ def bench(args: argparse.Namespace, console: Console) -> None:
     if skip - set(SECTIONS):
         raise ValueError(f"unknown section(s) {sorted(skip - set(SECTIONS))} in --skip; choose from {SECTIONS}")
     batches, contexts = ([1, 4], [32, 64]) if dry else ([1, 16, 64, 256], [512, 2048])
+    if device.type == "cpu" and ranks > 1:  # the ranks share the cores: more threads than cores would spin
+        torch.set_num_threads(max(1, torch.get_num_threads() // ranks))
     prompt_tokens, count = (64, 8) if dry else (2048, args.requests)
     decode_steps, prefill_steps = (3, 2) if dry else (20, 5)
     results: dict = {}
@@ -267,8 +275,9 @@ def bench(args: argparse.Namespace, console: Console) -> None:
     if "device" not in skip:
         figures = measure_device(device, dtype)
         report("device", figures, device_table(figures))
+    # The whole model: the workload's tokenizer and, under tensor parallelism, the greedy check's reference
     model, tokenizer = load_model(model_name, dtype, str(device))
-    info = ModelInfo.from_model(model, tokenizer)
+    info = ModelInfo.from_model(model, tokenizer).per_rank(ranks)
     requests = []
     if "offline" not in skip:  # the engine keeps the model's own tokenizer (or none) for what it samples
         requests = workload(tokenizer or _smollm2_tokenizer(), args.seed, count)
@@ -278,40 +287,50 @@ def bench(args: argparse.Namespace, console: Console) -> None:
     blocks_for = lambda tokens: -(-tokens // BLOCK_SIZE)  # noqa: E731
     num_blocks = max(max(batches) * blocks_for(max(contexts)), blocks_for(prompt_tokens),
                      sum(blocks_for(len(ids) + max_tokens) for ids, max_tokens in requests))
-    kv_bytes = num_blocks * info.kv_bytes_per_block(BLOCK_SIZE)
+    kv_bytes = num_blocks * info.kv_bytes_per_block(BLOCK_SIZE)  # on each rank
+    parameters = sum(p.numel() for p in model.parameters())  # before the engine packs them out of sight
+    # a tensor-parallel rank 0 loads the whole model again before keeping its part
+    model_bytes = parameters * dtype.itemsize if ranks > 1 else 0
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    if free is not None and kv_bytes + KV_HEADROOM > free:
-        raise ValueError(f"the KV cache needs {kv_bytes / 2**30:.1f} GiB (+{KV_HEADROOM >> 30} GiB headroom), "
+    if free is not None and kv_bytes + model_bytes + KV_HEADROOM > free:
+        raise ValueError(f"the KV cache needs {kv_bytes / 2**30:.1f} GiB (+{KV_HEADROOM >> 30} GiB headroom"
+                         f"{f', +{model_bytes / 2**30:.1f} GiB for rank 0 to load the model' if model_bytes else ''}), "
                          f"{free / 2**30:.1f} GiB of {device} is free")
-    engine = Engine(EngineConfig.from_options(model_name, dtype=dtype_name, device=str(device),
-                                              block_size=BLOCK_SIZE, num_blocks=num_blocks),
-                    model=model, tokenizer=tokenizer)
-    config = {"model": model_name, "dtype": dtype_name, "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "parameters": sum(p.numel() for p in model.parameters()), "kv_cache_bytes": kv_bytes,
-              "num_blocks": num_blocks, "block_size": BLOCK_SIZE, "dry_run": dry}
-    report("config", config)
-    console.print(f"[bold]{model_name}[/] {dtype_name} on {config['device_name']}: {config['parameters']:,} "
-                  f"parameters, KV cache {kv_bytes / 2**30:.3g} GiB ({num_blocks:,} blocks of {BLOCK_SIZE} tokens)")
-    if "decode" not in skip:
-        rows = decode_bench(engine, batches, contexts, decode_steps, results.get("device"))
-        report("decode", rows, decode_table(rows))
-    if "prefill" not in skip:
-        result = prefill_bench(engine, prompt_tokens, prefill_steps, results.get("device"))
-        report("prefill", result, prefill_table(result))
-    if "offline" not in skip:
-        result = offline_bench(engine, requests)
-        report("offline", result, offline_table(result))
-    if "greedy" not in skip:
-        checks = [greedy_check(engine, model_name)]
-        if not dry:  # and a small one: the bundled model's trained logits leave few near ties
-            small = small_model()
-            small_engine = Engine(EngineConfig.from_options(small, dtype=dtype_name, device=str(device), num_blocks=64))
-            checks.insert(0, greedy_check(small_engine, small))
-        report("greedy", {"passed": all(c["passed"] for c in checks), "checks": checks},
-               greedy_table(checks, str(device)))
-        if not results["greedy"]["passed"]:
-            raise ValueError("our greedy tokens differ from HF generate's (see the table)")
+    engine_config = EngineConfig.from_options(model_name, dtype=dtype_name, device=str(device), block_size=BLOCK_SIZE,
+                                              num_blocks=num_blocks, tensor_parallel=ranks)
+    engine = Engine(engine_config) if ranks > 1 else Engine(engine_config, model=model, tokenizer=tokenizer)
+    try:
+        config = {"model": model_name, "dtype": dtype_name, "device": str(device),
+                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "parameters": parameters, "tensor_parallel": ranks,
+                  "kv_cache_bytes": kv_bytes, "num_blocks": num_blocks, "block_size": BLOCK_SIZE, "dry_run": dry}
+        report("config", config)
+        console.print(f"[bold]{model_name}[/] {dtype_name} on {config['device_name']}"
+                      f"{f' x {ranks} ranks' if ranks > 1 else ''}: {config['parameters']:,} parameters, KV cache "
+                      f"{kv_bytes / 2**30:.3g} GiB{' a rank' if ranks > 1 else ''} ({num_blocks:,} blocks of "
+                      f"{BLOCK_SIZE} tokens)")
+        if "decode" not in skip:
+            rows = decode_bench(engine, batches, contexts, decode_steps, results.get("device"))
+            report("decode", rows, decode_table(rows))
+        if "prefill" not in skip:
+            result = prefill_bench(engine, prompt_tokens, prefill_steps, results.get("device"))
+            report("prefill", result, prefill_table(result))
+        if "offline" not in skip:
+            result = offline_bench(engine, requests)
+            report("offline", result, offline_table(result))
+        if "greedy" not in skip:
+            checks = [greedy_check(engine, model_name, reference=model)]
+            if not dry:  # and a small one: the bundled model's trained logits leave few near ties
+                small = small_model()
+                small_engine = Engine(EngineConfig.from_options(small, dtype=dtype_name, device=str(device),
+                                                                num_blocks=64))
+                checks.insert(0, greedy_check(small_engine, small))
+            report("greedy", {"passed": all(c["passed"] for c in checks), "checks": checks},
+                   greedy_table(checks, str(device)))
+            if not results["greedy"]["passed"]:
+                raise ValueError("our greedy tokens differ from HF generate's (see the table)")
+    finally:
+        engine.close()
 
 
 def _smollm2_tokenizer():
@@ -386,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="default random:llama3-8b (dry run: a tiny random:llama)")
     parser.add_argument("--dtype", help="default bfloat16 (dry run: float32); float16 also runs")
     parser.add_argument("--device", help="default cuda (dry run: cpu)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the engine's model across N ranks, rank r on cuda:r (dry run: N CPU processes)")
     parser.add_argument("--requests", type=int, default=1000, help="offline workload size (dry run: 8)")
     parser.add_argument("--skip", default="", help=f"sections to leave out, comma-separated: {','.join(SECTIONS)}")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure to this JSON file")

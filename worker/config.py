@@ -114,7 +114,9 @@ WORKER_FLAGS = {
                      "reclaimed",
     "dead_letter_ttl": "seconds a dead letter is kept (the stream is also capped at 100,000 entries)",
 }
-ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bfloat16 on CUDA, float32 on CPU"}
+ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bfloat16 on CUDA, float32 on CPU",
+                "tensor_parallel": "split the model across this many ranks, one process and device each (rank r on "
+                                   "cuda:r); --kv-cache-memory is per rank"}
 ENGINE_OPTIONS: dict[str, msgspec.structs.FieldInfo] = {
     field.name: field for struct, skip in ((EngineConfig, {"model", "scheduler"}), (SchedulerConfig, {"max_model_len"}))
     for field in msgspec.structs.fields(struct) if field.name not in skip

@@ -482,7 +482,8 @@ class Worker:
 
     def close(self) -> None:
         """Leave the group and stop the heartbeat (what Redis lets us do of it), then let go of
-        the threads, the metrics port and every Redis connection."""
+        the threads, the engine's other tensor-parallel ranks, the metrics port and every Redis
+        connection."""
         try:
             self.heartbeat.clear()
             self.claims.retire()
@@ -493,6 +494,7 @@ class Worker:
         self.intake.enqueued.close()
         self.intake.blocking.close()
         self.client.close()
+        self.engine.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()

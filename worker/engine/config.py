@@ -19,7 +19,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: int = 2 << 30  # bytes of K and V for all layers
+    kv_cache_memory: int = 2 << 30  # bytes of K and V for all layers, on each tensor-parallel rank
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the model forward (compiled.py): faster steps, a minute to compile
     attention_backend: AttentionBackend | None = None  # None: attention.default_backend(device)
@@ -28,6 +28,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_model_len: int | None = None  # None: the model's own
     truncate: Literal["reject", "left"] = "reject"  # an over-long prompt: refuse it, or keep its end
     max_step_failures: int = 2  # failed steps a request may be part of before it is ended as poison
+    tensor_parallel: int = 1  # ranks (one process and device each) the model is split across (parallel.py)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -41,6 +42,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"cuda_graph_max_seqs must be >= 0, got {self.cuda_graph_max_seqs}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        kind, _, index = self.device.partition(":")  # no torch here: the worker's --help loads none
+        if self.tensor_parallel > 1 and index:
+            raise ValueError(f"tensor_parallel ranks take devices 0..{self.tensor_parallel - 1} of those visible: "
+                             f"give the device type ({kind}), not {self.device}")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> EngineConfig:

@@ -15,6 +15,11 @@ one blamed, and once in `max_step_failures` failed steps it is ended with an err
 
 Pinned prefixes (`pin` / `unpin`, by name) keep a prefix's whole KV blocks resident once a
 request has computed them; the fresh pool of a recovery pins them again.
+
+With `tensor_parallel` N > 1 this process is rank 0 of N (parallel.py): all of the above happens
+here alone, once per step, and the runner sends each step's inputs to the other ranks, which
+compute their share of the model (sharding.py). A forward that fails there is the one failure not
+recovered from: the ranks may be out of step, so it ends the process, as a lost rank does.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from worker.engine.disk_cache import Phase, quiet
 from worker.engine.inputs import PromptError, PromptTooLong, check_token_ids, encode_prompt
 from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
 from worker.engine.outputs import RequestOutput, timings_of, token_logprob, usage_of
+from worker.engine.parallel import Ranks, load_shard, rank_device
 from worker.engine.plan import StepPlan
-from worker.engine.runner import ModelRunner
+from worker.engine.runner import runner_for
 from worker.engine.sampler import SampleRequest, sample
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, Sequence
@@ -66,19 +72,32 @@ class Engine:
         if torch.device(config.device).type == "cpu":
             on_phase("loading the native kernels")
             kernels.native(on_phase)
+        ranks, device = config.tensor_parallel, config.device
+        if ranks > 1:
+            if model is not None:
+                raise ValueError("a tensor-parallel engine loads the model on every rank: give it by name")
+            device = rank_device(config.device, 0)
         if model is None:
             on_phase(f"loading the model {config.model}")
-            model, tokenizer = load_model(config.model, config.dtype, config.device, on_phase)
+            model, tokenizer = (load_shard(config, 0, on_phase) if ranks > 1
+                                else load_model(config.model, config.dtype, device, on_phase))
         self.config, self.model, self.tokenizer = config, model, tokenizer
-        self.info = ModelInfo.from_model(model, tokenizer)
+        self.info = ModelInfo.from_model(model, tokenizer).per_rank(ranks)  # the KV cache holds this rank's heads
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.num_blocks = config.num_blocks or num_blocks_for_memory(config.kv_cache_memory, self.info,
                                                                      config.block_size)
         self.pins: dict[str, list[int]] = {}  # name -> the pinned prefix's token ids, whole blocks
         self._new_scheduler()
-        self.runner = ModelRunner(model, self.info, self.num_blocks, config.block_size, config.device,
-                                  config.compile, on_phase, config.attention_backend, config.cuda_graph_max_seqs,
-                                  self.max_model_len)
+        self.ranks: Ranks | None = None
+        if ranks > 1:
+            on_phase(f"starting {ranks - 1} more tensor-parallel rank process{'es' if ranks > 2 else ''} "
+                     "(each loads and splits the model)")
+            self.ranks = Ranks(config, self.num_blocks, self.max_model_len)
+        self.runner = runner_for(config, model, self.info, self.num_blocks, self.max_model_len, device, on_phase,
+                                 self.ranks)
+        if self.ranks is not None:
+            on_phase(f"waiting for the other tensor-parallel ranks (pids {', '.join(map(str, self.ranks.pids))})")
+            self.ranks.wait_ready()
         self.requests: dict[str, _Request] = {}
         self.last_step_tokens = 0  # tokens computed by the latest step (metrics, benchmarks)
         self.num_failed_steps = 0
@@ -142,6 +161,11 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (done at exit otherwise)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # --- pinned prefixes ---------------------------------------------------------------
     def pin(self, name: str, *, prompt: str | None = None, messages: list[dict] | None = None,

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -92,6 +93,10 @@ class ModelInfo:
             sliding_window=getattr(config, "sliding_window", None),
         )
 
+    def per_rank(self, ranks: int) -> ModelInfo:
+        """One tensor-parallel rank's share: its heads (sharding.py), so its KV cache and KV bytes."""
+        return replace(self, num_heads=self.num_heads // ranks, num_kv_heads=self.num_kv_heads // ranks)
+
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
         """K and V of all layers for one block."""
         itemsize = (dtype or self.dtype).itemsize
@@ -112,9 +117,11 @@ def parse_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") ->
 
 
 def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str = "cpu",
-               on_phase: Phase = quiet):
+               on_phase: Phase = quiet, keep_part: Callable[[torch.nn.Module], None] | None = None):
     """-> (model, tokenizer or None), ready for `attention.run_model`. `on_phase` hears of a
-    conversion (the bundled model's first load on a machine)."""
+    conversion (the bundled model's first load on a machine). `keep_part(model)` cuts the model
+    down (a tensor-parallel rank's part, sharding.py) before it goes to `device`: a checkpoint is
+    read on the host, so the device only ever holds the part (a random model is built where it runs)."""
     dtype = parse_dtype(dtype, device)
     tokenizer = None
     if name_or_path.startswith("random:"):
@@ -140,13 +147,15 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str
             f"unknown model {name_or_path!r}: give an HF model directory (with config.json), a .gguf file, "
             f"{SMOLLM2_NAME!r}, or random:<{'|'.join(RANDOM_PRESETS)}>[:key=value,...]"
         )
-    return _prepare(model, device), tokenizer
+    return _prepare(model, device, keep_part), tokenizer
 
 
-def _prepare(model, device: str):
+def _prepare(model, device: str, keep_part: Callable[[torch.nn.Module], None] | None):
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} does not use transformers' attention interface; paged attention cannot plug in")
+    if keep_part is not None:
+        keep_part(model)
     model.to(device).eval().requires_grad_(False)
     return model
 

@@ -4,17 +4,22 @@ The runner decides nothing: the plan says which tokens of which sequences to com
 Every scheduled token of every sequence (prefill chunks and decodes together) goes into
 one flattened row; attention finds each sequence's boundaries and KV through the
 AttentionMetadata built here from the sequences' block tables.
+
+A plan becomes StepInputs (plain ints) before anything is computed: under tensor parallelism
+rank 0 sends those to the other ranks (parallel.py), and every rank computes them alike.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from worker.engine.attention import AttentionMetadata, default_backend, run_model
 from worker.engine.compiled import compile_forward
-from worker.engine.config import AttentionBackend
+from worker.engine.config import AttentionBackend, EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.disk_cache import Phase, quiet
 from worker.engine.linear import fuse_projections, pack_linear_layers, packing_backend, packing_works
@@ -22,13 +27,39 @@ from worker.engine.models import ModelInfo, allocate_kv_cache
 from worker.engine.plan import StepPlan
 from worker.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from worker.engine.parallel import Ranks
+
+
+class StepInputs(msgspec.Struct, array_like=True, gc=False):
+    """What a step computes, per sequence: its new tokens start at position num_computed[i]."""
+
+    input_ids: list[int]  # every sequence's new tokens, one after the other
+    num_computed: list[int]
+    num_new: list[int]
+    block_tables: list[list[int]]
+    sampling: list[int]  # the sequences (indices) whose last new token gets logits
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> StepInputs:
+        seqs = list(plan.scheduled)
+        num_computed = [seq.num_computed_tokens for seq in seqs]
+        input_ids: list[int] = []
+        for seq, start, count in zip(seqs, num_computed, plan.scheduled.values()):
+            input_ids.extend(seq.token_ids[start:start + count])
+        return cls(input_ids, num_computed, list(plan.scheduled.values()), [seq.block_table for seq in seqs],
+                   [i for i, seq in enumerate(seqs) if plan.samples(seq)])
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, info: ModelInfo, num_blocks: int, block_size: int,
                  device: str = "cpu", compile: bool = False, on_phase: Phase = quiet,
                  attention_backend: AttentionBackend | None = None, cuda_graph_max_seqs: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, ranks: Ranks | None = None) -> None:
+        """`info`: this rank's (ModelInfo.per_rank) under tensor parallelism; `ranks`: rank 0's
+        handle on the other ranks, to which each step goes first."""
         self.model = model
+        self.ranks = ranks
         self.block_size = block_size
         self.device = torch.device(device)
         self.attention_backend = attention_backend or default_backend(self.device)
@@ -64,22 +95,26 @@ class ModelRunner:
                                        backend=self.attention_backend)
         self.forward(torch.zeros(1, dtype=torch.long, device=self.device), meta)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         """-> (the sequences that sample this step, their next-token logits [rows, vocab])."""
-        seqs = list(plan.scheduled)
-        num_new = list(plan.scheduled.values())
-        num_computed = [seq.num_computed_tokens for seq in seqs]
-        input_ids: list[int] = []
-        for seq, start, count in zip(seqs, num_computed, num_new):
-            input_ids.extend(seq.token_ids[start:start + count])
-        sampling = [i for i, seq in enumerate(seqs) if plan.samples(seq)]
+        seqs, inputs = list(plan.scheduled), StepInputs.of(plan)
+        logits = self.compute(inputs) if self.ranks is None else self.ranks.run(inputs, self.compute)
+        return [seqs[i] for i in inputs.sampling], logits
+
+    @torch.inference_mode()
+    def compute(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward -> logits [rows of inputs.sampling, vocab] (no columns on a rank past 0)."""
         graphs = self.decode_graphs
-        if graphs is not None and len(seqs) <= graphs.max_seqs and all(n == 1 for n in num_new):
-            logits = graphs.run(input_ids, num_computed, [seq.block_table for seq in seqs])
-            return [seqs[i] for i in sampling], logits[sampling]
-        meta = AttentionMetadata.build(num_computed, num_new, [seq.block_table for seq in seqs],
-                                       self.block_size, self.device, self.kv_caches, backend=self.attention_backend)
-        meta.logits_rows = meta.logits_rows[sampling]  # a mid-prompt chunk needs no logits
-        logits = self.forward(torch.tensor(input_ids, device=self.device), meta)
-        return [seqs[i] for i in sampling], logits
+        if graphs is not None and len(inputs.num_new) <= graphs.max_seqs and all(n == 1 for n in inputs.num_new):
+            return graphs.run(inputs.input_ids, inputs.num_computed, inputs.block_tables)[inputs.sampling]
+        meta = AttentionMetadata.build(inputs.num_computed, inputs.num_new, inputs.block_tables, self.block_size,
+                                       self.device, self.kv_caches, backend=self.attention_backend)
+        meta.logits_rows = meta.logits_rows[inputs.sampling]  # a mid-prompt chunk needs no logits
+        return self.forward(torch.tensor(inputs.input_ids, device=self.device), meta)
+
+
+def runner_for(config: EngineConfig, model: torch.nn.Module, info: ModelInfo, num_blocks: int, max_model_len: int,
+               device: str, on_phase: Phase = quiet, ranks: Ranks | None = None) -> ModelRunner:
+    """The runner `config` asks for: an engine's, or another tensor-parallel rank's."""
+    return ModelRunner(model, info, num_blocks, config.block_size, device, config.compile, on_phase,
+                       config.attention_backend, config.cuda_graph_max_seqs, max_model_len, ranks)
