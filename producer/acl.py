@@ -33,8 +33,8 @@ DEFAULT_USER, GATEWAY_USER, WORKER_USER, OPERATOR_USER = "default", "gateway", "
 PASSWORD_PLACEHOLDER = "@{user}_PASSWORD_SHA256@"
 
 # What every role's client needs; on a cluster, redis-py's client first reads the slot map and the
-# command table (CLUSTER SLOTS or SHARDS, COMMAND).
-_BASE = ["+ping", "+multi", "+exec", "+discard", "+cluster|slots", "+cluster|shards", "+command"]
+# command table (CLUSTER SLOTS or SHARDS, COMMAND), and writes wait for a replica (WAIT).
+_BASE = ["+ping", "+multi", "+exec", "+discard", "+wait", "+cluster|slots", "+cluster|shards", "+command"]
 _WORKER_COMMANDS = [
     "+xreadgroup", "+xack", "+xdel", "+xadd", "+xclaim", "+xautoclaim", "+xpending", "+xinfo|consumers",
     "+xgroup|create", "+xgroup|delconsumer", "+xtrim", "+xlen", "+xrange",

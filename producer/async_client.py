@@ -18,7 +18,7 @@ import redis.asyncio
 from producer.client import flow_error
 from producer.core import Call, Deliver, Flow, Operation, Pause, Steps, Subscribe
 from producer.multiplex import CallBatcher, ChannelListener, SharedSubscription
-from producer.connect import REDIS_FAILURES, connect_async
+from producer.connect import REDIS_FAILURES, connect_async, refresh_slot_map_async
 from producer.protocol import Event
 from producer.shell import MAX_CONNECTIONS, ProducerShell, as_is
 
@@ -32,8 +32,10 @@ class AsyncProducer(ProducerShell):
         self._subscription = SharedSubscription(self._listener, sharded=self.cluster)
         self._batcher = CallBatcher(self.redis)
 
-    def _connect(self, url: str) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-        return connect_async(url, cluster=self.cluster, password=self._password, max_connections=MAX_CONNECTIONS)
+    def _connect(self, url: str, subscribing: bool = False) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+        # The shared subscription's connections go without health checks (producer/multiplex.py).
+        return connect_async(url, cluster=self.cluster, password=self._password, max_connections=MAX_CONNECTIONS,
+                             health_checks=not subscribing)
 
     async def aclose(self) -> None:
         await self._subscription.aclose()
@@ -74,6 +76,8 @@ class AsyncProducer(ProducerShell):
             try:
                 reply = await self._perform(operation, pubsub)
             except REDIS_FAILURES as error:
+                if self.cluster and not isinstance(operation, Call):  # redis-py follows MOVED for commands only
+                    await refresh_slot_map_async(self._listener)
                 operation = steps.next(error=flow_error(error))
             else:
                 operation = steps.next(reply)

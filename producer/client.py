@@ -12,9 +12,9 @@ from typing import Any
 
 import redis
 
-from producer.core import Call, Deliver, Flow, Operation, Pause, Steps, Subscribe
+from producer.core import Call, Deliver, Flow, Listen, Operation, Pause, Steps, Subscribe
 from producer.errors import Disconnected, NotPermitted
-from producer.connect import CLUSTER_IN_TRANSITION, REDIS_FAILURES, connect
+from producer.connect import REDIS_FAILURES, REPLICATION_WAIT_MS, UNREACHABLE, connect, is_cluster, refresh_slot_map
 from producer.protocol import Event, is_tls_refusal
 from producer.shell import MAX_CONNECTIONS, ProducerShell, as_is
 
@@ -22,7 +22,7 @@ from producer.shell import MAX_CONNECTIONS, ProducerShell, as_is
 class Producer(ProducerShell):
     """See ProducerShell for the API; every method returns its value."""
 
-    def _connect(self, url: str) -> redis.Redis | redis.RedisCluster:
+    def _connect(self, url: str, subscribing: bool = False) -> redis.Redis | redis.RedisCluster:
         return connect(url, cluster=self.cluster, password=self._password, max_connections=MAX_CONNECTIONS)
 
     def close(self) -> None:
@@ -62,28 +62,54 @@ class Producer(ProducerShell):
             try:
                 reply = self._perform(operation, pubsub)
             except REDIS_FAILURES as error:
+                if self.cluster and not isinstance(operation, Call):  # redis-py follows MOVED for commands only
+                    refresh_slot_map(self._listener)
                 operation = steps.next(error=flow_error(error))
             else:
                 operation = steps.next(reply)
 
     def _perform(self, operation: Operation, pubsub):
         if isinstance(operation, Call):
-            if len(operation.commands) == 1:
+            if len(operation.commands) == 1 and not operation.replicated:
                 return direct(self.redis, operation)
-            return queued(self.redis, operation).execute(raise_on_error=operation.raise_on_error)
+            replies = queued(self.redis, operation).execute(raise_on_error=operation.raise_on_error)
+            return reachable(replies[:len(operation.commands)])
         if isinstance(operation, Subscribe):
             return (pubsub.ssubscribe if self.cluster else pubsub.subscribe)(operation.channel)
         if isinstance(operation, Pause):
             return time.sleep(operation.seconds)
         listen = pubsub.get_sharded_message if self.cluster else pubsub.get_message
-        return listen(ignore_subscribe_messages=not operation.subscribe_messages, timeout=operation.timeout)
+        return heard(listen(timeout=operation.timeout), operation)
+
+
+def heard(message: dict | None, listen: Listen) -> dict | None:
+    """A pub/sub message as a Listen hands it on: a subscription's confirmation only when waited for,
+    its end (the server unsubscribed us: the channel's slot moved to another node) as Disconnected."""
+    if message is None or message["type"] in ("message", "smessage"):
+        return message
+    if message["type"] in ("unsubscribe", "sunsubscribe"):
+        raise redis.ConnectionError(f"the server ended the subscription to {message['channel']!r}")
+    return message if listen.subscribe_messages else None
+
+
+def reachable(replies: list) -> list:
+    """A pipeline's replies, unless one of them says its node could not be reached (a cluster's
+    pipeline puts that in place of the command's reply): then that error, raised."""
+    for reply in replies:
+        if isinstance(reply, UNREACHABLE):
+            raise reply
+    return replies
 
 
 def queued(client, call: Call):
-    """A pipeline (sync or asyncio: they queue alike) holding the call's commands, to execute."""
+    """A pipeline (sync or asyncio: they queue alike) holding the call's commands, to execute; on a
+    cluster a `replicated` call's WAIT follows them (its reply past the commands' own)."""
     pipe = client.pipeline(transaction=call.transaction)
     for command in call.commands:
         getattr(pipe, command.name)(*command.args, **command.kwargs)
+    if call.replicated and is_cluster(client):
+        pipe.execute_command("WAIT", 1, REPLICATION_WAIT_MS,
+                             target_nodes=client.get_node_from_key(call.commands[0].args[0]))
     return pipe
 
 
@@ -95,7 +121,7 @@ def direct(client, call: Call) -> list:
     try:
         return [getattr(client, command.name)(*command.args, **command.kwargs)]
     except redis.ResponseError as error:
-        if call.raise_on_error:
+        if call.raise_on_error or isinstance(error, UNREACHABLE):
             raise
         return [error]
 
@@ -105,8 +131,7 @@ def flow_error(error: Exception) -> Exception:
     failover or slot migration) as Disconnected, a command the
     ACL refuses as NotPermitted, the rest as is (a refused password or TLS handshake too, which
     redis-py counts as connection errors: no retry brings them in)."""
-    if isinstance(error, (redis.ConnectionError, redis.TimeoutError, *CLUSTER_IN_TRANSITION)) and not (
-            isinstance(error, redis.AuthenticationError) or is_tls_refusal(error)):
+    if isinstance(error, UNREACHABLE) and not (isinstance(error, redis.AuthenticationError) or is_tls_refusal(error)):
         return Disconnected(f"redis: {error}")
     if isinstance(error, redis.exceptions.NoPermissionError):
         return NotPermitted(f"redis: {error}")

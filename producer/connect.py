@@ -19,13 +19,14 @@ What cluster mode changes for the callers (see design.md, layout v2):
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import redis
 import redis.asyncio
 from redis._parsers.commands import CommandsParser
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, RedisClusterException, SlotNotCoveredError, TryAgainError
 from redis.retry import Retry
 
 from producer.protocol import connection_options
@@ -34,8 +35,19 @@ CLUSTER_ENV = "STREAMBATCH_REDIS_CLUSTER"
 
 # A failover or slot migration in progress: the cluster answers again within seconds.
 CLUSTER_IN_TRANSITION = (ClusterDownError, TryAgainError, SlotNotCoveredError)
+# A cluster node's answer to a subscription whose slot another node owns now: redis-py follows these
+# for commands by itself, not for (S)SUBSCRIBE.
+STALE_SLOT_MAP = (AskError,)  # MovedError is an AskError
+# A reply that says nothing of the key it was for: the node could not be reached or answered that it
+# cannot serve now (in a pipeline's replies, in place of a command's). Who reads one tries again.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, *CLUSTER_IN_TRANSITION, *STALE_SLOT_MAP)
 # Whatever a Redis operation can raise (the cluster client's own errors are not RedisErrors).
 REDIS_FAILURES = (redis.RedisError, RedisClusterException)
+
+
+# How long a write that another depends on waits for a replica (WAIT) on a cluster: a master that has
+# none (its replica failed over to it, or is down) costs a write this much, and then it goes on.
+REPLICATION_WAIT_MS = 100
 
 
 def cluster_from_environment() -> bool:
@@ -84,13 +96,30 @@ def connect(url: str, *, cluster: bool = False, password: str | None = None, blo
 
 
 def connect_async(url: str, *, cluster: bool = False, password: str | None = None,
-                  max_connections: int | None = None) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+                  max_connections: int | None = None,
+                  health_checks: bool = True) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+    """`health_checks=False`: no PING before a command on an idle connection (producer/multiplex.py
+    says why its subscribed connections need none)."""
     options = connection_options(password=password)
+    if not health_checks:
+        options["health_check_interval"] = 0
     if max_connections is not None:
         options["max_connections"] = max_connections
     if cluster:
         return redis.asyncio.RedisCluster.from_url(url, **_cluster_options(options))
     return redis.asyncio.Redis.from_url(url, **options)
+
+
+def refresh_slot_map(client) -> None:
+    """Read the cluster's slot map again (a sync cluster client's), after a subscription met a node
+    that no longer owns its channel or is gone; a cluster still voting is asked again later."""
+    with contextlib.suppress(*REDIS_FAILURES):
+        client.nodes_manager.initialize()
+
+
+async def refresh_slot_map_async(client) -> None:
+    with contextlib.suppress(*REDIS_FAILURES):
+        await client.nodes_manager.initialize()
 
 
 def is_cluster(client) -> bool:

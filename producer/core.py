@@ -71,11 +71,15 @@ def command(name: str, *args, **kwargs) -> Command:
 @dataclass(frozen=True)
 class Call:
     """One round trip: the commands as one pipeline; the reply is their results in order,
-    errors in place (as exceptions) when `raise_on_error` is False."""
+    errors in place (as exceptions) when `raise_on_error` is False. `replicated`: on a cluster, the
+    round trip also waits until the node of the first command's key has sent the writes to a
+    replica (WAIT, up to REPLICATION_WAIT_MS), so that a failover cannot lose them once a write on
+    another node depends on them."""
 
     commands: tuple[Command, ...]
     transaction: bool = False
     raise_on_error: bool = True
+    replicated: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,9 @@ class Subscribe:
 
 @dataclass(frozen=True)
 class Listen:
-    """The next pub/sub message within `timeout` s, or None; a lost connection is thrown in as
-    Disconnected (redis-py resubscribes once it reconnects, and the replay read that follows
+    """The next pub/sub message within `timeout` s, or None; a lost connection, or the server
+    ending the subscription (on a cluster, when the channel's slot moves to another node), is
+    thrown in as Disconnected (the stream subscribes again, and the replay read that follows
     recovers what was published meanwhile)."""
 
     timeout: float
@@ -171,16 +176,16 @@ class ProducerCore:
 
     def _enqueue(self, stream: str, entry: bytes, claim: str, queued: Submission) -> Flow:
         """The entry, and the id marked queued: one MULTI on one node. On a cluster the stream and the
-        id's keys are in two slots, so the entry goes first, then the mark, then a nudge for idle
-        workers (they cannot block on streams of several nodes): a submit cut short after the entry
-        enqueues it again, and the worker refuses the second entry as a duplicate of the id
-        (design.md, rule 2); one cut short before the mark never leaves an id marked queued
-        without its entry."""
+        id's keys are in two slots, so the entry goes first (on a replica too, before the mark: a
+        failover of the stream's node must not leave an id marked queued without its entry), then
+        the mark, then a nudge for idle workers (they cannot block on streams of several nodes): a
+        submit cut short after the entry enqueues it again, and the worker refuses the second entry
+        as a duplicate of the id (design.md, rule 2)."""
         if not self.cluster:
             yield Call((command("xadd", stream, {FIELD: entry}),
                         command("set", claim, encode(queued), xx=True, ex=self.claim_ttl)), transaction=True)
             return
-        yield Call((command("xadd", stream, {FIELD: entry}),))
+        yield Call((command("xadd", stream, {FIELD: entry}),), replicated=True)
         yield Call((command("set", claim, encode(queued), xx=True, ex=self.claim_ttl),))
         yield Call((command("publish", self.keys.enqueued, queued.lane),))
 
@@ -277,13 +282,16 @@ class ProducerCore:
                     yield Deliver(ready)
                 if sequencer.finished:
                     return
-            # Wait for a nudge, a quiet spell or a lost connection: each sends us back to the replay.
+            # Wait for a nudge, a quiet spell or a lost subscription: each sends us back to the replay.
             try:
                 message = yield Listen(clock.wait(self.poll_interval))
                 while message is not None:  # the nudges queued meanwhile: one replay read covers them all
                     message = yield Listen(0)
             except Disconnected as error:
+                # A new connection, or on a cluster another node (a failover, the channel's slot
+                # moved): subscribed again, confirmed, and only then the replay read (no gap).
                 yield from listening.lost(error)
+                yield from self._subscribe(channel, clock)
             else:
                 listening.reached()
 

@@ -10,7 +10,7 @@
 - CallBatcher: the calls that streams make in the same turn of the event loop (a worker's step
   nudges many streams at once, and each re-reads its replay stream) go to Redis as one pipeline,
   one round trip instead of one per stream. Each call's replies come back to it alone, its
-  errors raised or returned as it asked. Transactions, and calls of one command, go out on their own.
+  errors raised or returned as it asked. Transactions, calls of one command and those that wait for a replica go out on their own.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import contextlib
 import redis
 import redis.asyncio
 
-from producer.client import queued
+from producer.client import queued, reachable
+from producer.connect import REDIS_FAILURES, UNREACHABLE
 from producer.core import Call
 
-MESSAGE_TYPES = ("message", "subscribe", "smessage", "ssubscribe")  # what listeners hear of
+MESSAGE_TYPES = ("message", "subscribe", "smessage", "ssubscribe", "unsubscribe", "sunsubscribe")
 READ_WAIT_S = 1.0  # the reader's wait for a message: how often an idle connection is health-checked
 RETRY_S, MAX_RETRY_S = 0.1, 2.0  # the reader's wait after a lost connection, doubling while it stays lost
 
@@ -79,7 +80,13 @@ class ChannelListener:
 class SharedSubscription:
     """On one node: one subscribed connection and one reader. On a cluster (`sharded`): SSUBSCRIBE
     through redis-py's cluster pub/sub, which holds a connection to each node that owns a channel
-    followed, and one reader per such node (a reader waiting on one node must not delay another's)."""
+    followed, and one reader per such node (a reader waiting on one node must not delay another's).
+
+    Only a connection's reader reads from it, and it alone reconnects it (redis-py subscribes every
+    channel again then): a (un)subscribe only writes, and is refused (ConnectionError, which the
+    stream retries) while its connection is down, since making one would read its handshake beside
+    the reader. The listener client has no health checks for the same reason (a PING's reply read
+    by the one who sent it); TCP keepalive finds a silent peer."""
 
     def __init__(self, client, sharded: bool = False) -> None:
         self.client, self.sharded = client, sharded
@@ -97,6 +104,7 @@ class SharedSubscription:
         async with self.commands:
             if self.sharded:
                 await self.client.initialize()  # its slot map, once (the pub/sub alone does not load it)
+            self._writable(channel)
             await (self.pubsub.ssubscribe if self.sharded else self.pubsub.subscribe)(channel)
         for node in list(self.pubsub.node_pubsub_mapping) if self.sharded else [None]:
             if node not in self.readers or self.readers[node].done():
@@ -115,7 +123,19 @@ class SharedSubscription:
 
     async def _unsubscribe(self, channel: str | bytes) -> None:
         async with self.commands:
+            self._writable(channel)
             await (self.pubsub.sunsubscribe if self.sharded else self.pubsub.unsubscribe)(channel)
+
+    def _writable(self, channel: str | bytes) -> None:
+        """Raise ConnectionError if the connection `channel` goes on is down (its reader reconnects it)."""
+        if self.sharded:
+            node = self.client.get_node_from_key(channel)
+            pubsub = self.pubsub.node_pubsub_mapping.get(node.name)
+        else:
+            pubsub = self.pubsub
+        connection = pubsub.connection if pubsub is not None else None
+        if connection is not None and not connection.is_connected:
+            raise redis.ConnectionError("the subscribed connection is reconnecting")
 
     async def _next(self, node: str | None) -> dict | None:
         if node is None:
@@ -139,6 +159,11 @@ class SharedSubscription:
             if message is None or message["type"] not in MESSAGE_TYPES:
                 continue
             listeners = self.listeners.get(bytes(message["channel"]))
+            if message["type"] in ("unsubscribe", "sunsubscribe"):  # not ours (we leave channels no one
+                for listener in listeners or ():                     # follows): the channel's slot moved
+                    listener.disconnected(redis.ConnectionError(f"the server ended the subscription to "
+                                                                f"{message['channel']!r}"))
+                continue
             if listeners is None:
                 if message["type"] in ("message", "smessage"):
                     with contextlib.suppress(redis.RedisError):
@@ -162,7 +187,7 @@ async def direct(client, call: Call) -> list:
     try:
         return [await getattr(client, command.name)(*command.args, **command.kwargs)]
     except redis.ResponseError as error:
-        if call.raise_on_error:
+        if call.raise_on_error or isinstance(error, UNREACHABLE):
             raise
         return [error]
 
@@ -174,10 +199,11 @@ class CallBatcher:
         self.flushes: set[asyncio.Task] = set()
 
     async def execute(self, call: Call) -> list:
-        if len(call.commands) == 1:
+        if len(call.commands) == 1 and not call.replicated:
             return await direct(self.client, call)
-        if call.transaction:
-            return await queued(self.client, call).execute(raise_on_error=call.raise_on_error)
+        if call.transaction or call.replicated:
+            replies = await queued(self.client, call).execute(raise_on_error=call.raise_on_error)
+            return reachable(replies[:len(call.commands)])
         future = asyncio.get_running_loop().create_future()
         self.waiting.append((call, future))
         if len(self.waiting) == 1:  # the first of this turn's calls: the rest join it before it goes
@@ -191,7 +217,8 @@ class CallBatcher:
         try:
             together = Call(tuple(command for call, _ in batch for command in call.commands))
             replies = await queued(self.client, together).execute(raise_on_error=False)
-        except redis.RedisError as error:  # the connection: every call fails with it
+            reachable(replies)
+        except REDIS_FAILURES as error:  # the connection: every call fails with it
             for _, future in batch:
                 if not future.done():
                     future.set_exception(error)

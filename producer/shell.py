@@ -51,7 +51,7 @@ class ProducerShell:
         self.redis = self._connect(url)
         # Each live stream holds a subscribed connection for as long as it lasts: in a pool of
         # their own, so that streams never take the connections commands need.
-        self._listener = self._connect(url)
+        self._listener = self._connect(url, subscribing=True)
 
     def submit(self, prompt: str | Request | None = None, *, messages: list[Message] | list[dict] | None = None,
                prompt_ids: list[int] | None = None, params: SamplingParams | dict | None = None,
@@ -118,7 +118,8 @@ class ProducerShell:
         return self._run(self.core.pins())
 
     # --- the I/O, per client ------------------------------------------------------------
-    def _connect(self, url: str):
+    def _connect(self, url: str, subscribing: bool = False):
+        """A client for commands, or (`subscribing`) for the streams' subscribed connections."""
         raise NotImplementedError
 
     def _run(self, flow: Flow, then: Callable[[Any], Any] = as_is):

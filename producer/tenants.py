@@ -13,6 +13,7 @@ import msgspec
 import redis
 
 from producer.acl import role_rules, tenant_user
+from producer.connect import is_cluster
 from producer.protocol import Keys, Tenant, check_tenant, decode_tenant
 
 API_KEY_PREFIX = "sbk-"  # what a gateway API key starts with: easy to spot in a leak scanner
@@ -73,7 +74,7 @@ class TenantRegistry:
         Its streams stay: a worker serves them until it restarts, so nothing is stranded mid-way.
         -> whether the ACL file was saved (see Credentials.persisted)."""
         self._entry(tenant)
-        self.client.execute_command("ACL", "DELUSER", tenant_user(tenant))
+        self._acl("DELUSER", tenant_user(tenant))
         self.client.hdel(self.keys.tenants, tenant)
         self.client.delete(self.keys.of(tenant).shards)
         return self._save()
@@ -93,10 +94,17 @@ class TenantRegistry:
     def _issue(self, tenant: str, entry: Tenant) -> Credentials:
         password, api_key = secrets.token_urlsafe(32), API_KEY_PREFIX + secrets.token_urlsafe(32)
         username = tenant_user(tenant)
-        self.client.execute_command("ACL", "SETUSER", username, "reset", "on", f">{password}",
-                                    *role_rules("tenant", self.keys.of(tenant)))
+        self._acl("SETUSER", username, "reset", "on", f">{password}", *role_rules("tenant", self.keys.of(tenant)))
         self._write(tenant, msgspec.structs.replace(entry, api_key_sha256=api_key_hash(api_key)))
         return Credentials(tenant, username, password, api_key, persisted=self._save())
+
+    def _acl(self, *args) -> None:
+        """An ACL command, on every node of a cluster (each keeps its own users; replicas too, for
+        when one is promoted). A node added to the cluster later loads them from its ACL file."""
+        if is_cluster(self.client):
+            self.client.execute_command("ACL", *args, target_nodes=self.client.ALL_NODES)
+        else:
+            self.client.execute_command("ACL", *args)
 
     def _write(self, tenant: str, entry: Tenant) -> None:
         """The registry entry, then the shard count its producers read (Keys.shards): two keys,
@@ -108,7 +116,7 @@ class TenantRegistry:
         """Persist the ACL users where Redis loads them from at its next start (its aclfile);
         -> False when it has none."""
         try:
-            self.client.execute_command("ACL", "SAVE")
+            self._acl("SAVE")
         except redis.ResponseError as error:
             if "not configured to use an ACL file" not in str(error):
                 raise

@@ -141,9 +141,14 @@ class LocalCluster:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
+    def live_url(self) -> str:
+        """A URL naming a node that runs (after one was killed)."""
+        port = next(port for port, process in self.processes.items() if process.poll() is None)
+        return f"redis://127.0.0.1:{port}/0"
+
     def start_node(self, port: int) -> None:
         directory = self.workdir / str(port)
-        directory.mkdir(exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
         self.processes[port] = subprocess.Popen(
             [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-config-file", str(directory / "nodes.conf"), "--cluster-node-timeout",

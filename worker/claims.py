@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import msgspec
 import redis
 
+from producer.connect import UNREACHABLE
 from producer.protocol import FIELD, GROUP, TERMINAL, Event, Keys, Lane, Submission, TokenEvent, decode_event, encode
 from worker.flight import Flight
 from worker.heartbeat import beating, worker_of
@@ -149,6 +150,8 @@ class Claims:
                       (entry.owner, encode(Submission(lane)), self.replay_ttl))
         claims = []
         for reply in batch.execute(raise_on_error=False):  # one request's damaged keys must not fail the rest
+            if isinstance(reply, UNREACHABLE):  # not the keys' fault: the turn fails, the claim is made again
+                raise reply
             if isinstance(reply, Exception):
                 claims.append(Claim(0, None, False, damage=str(reply)))
             else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from producer.connect import is_cluster
+from producer.connect import REPLICATION_WAIT_MS, is_cluster
 from producer.protocol import FIELD, TERMINAL, DoneEvent, ErrorEvent, Event, TokenEvent, encode
 from worker.engine.outputs import RequestOutput
 from worker.flight import Flight
@@ -48,7 +48,8 @@ class Outbox:
         self.client = client
         self.replay_maxlen, self.replay_ttl = replay_maxlen, replay_ttl
         self.script = Script(client, FENCED_WRITE)
-        self.publish = "SPUBLISH" if is_cluster(client) else "PUBLISH"
+        self.cluster = is_cluster(client)
+        self.publish = "SPUBLISH" if self.cluster else "PUBLISH"
 
     # --- events ------------------------------------------------------------------------
     def add_output(self, flight: Flight, output: RequestOutput) -> None:
@@ -85,4 +86,19 @@ class Outbox:
         written = batch.execute()
         for flight in flights:
             flight.pending.clear()
+        self._replicated([flight for flight, ok in zip(flights, written) if ok and flight.finished])
         return [(flight, bool(ok)) for flight, ok in zip(flights, written)]
+
+    def _replicated(self, finished: list[Flight]) -> None:
+        """On a cluster, before the finished requests' entries are acked (on other nodes): wait until
+        the nodes holding their events have sent them to a replica (WAIT, one round trip per node),
+        so that a failover cannot keep an ack whose request's end it lost (nobody would finish it
+        again). A node without a replica costs up to REPLICATION_WAIT_MS, then the ack goes on."""
+        if not self.cluster or not finished:
+            return
+        nodes = {node.name: node for node in (self.client.get_node_from_key(flight.keys.replay(flight.request_id))
+                                              for flight in finished)}
+        pipe = self.client.pipeline(transaction=False)
+        for node in nodes.values():
+            pipe.execute_command("WAIT", 1, REPLICATION_WAIT_MS, target_nodes=node)
+        pipe.execute()

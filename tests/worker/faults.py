@@ -23,6 +23,7 @@ import redis
 from ops.demo import free_port
 from ops.soak import rss_kib
 from producer import Producer
+from producer.connect import connect
 from producer.errors import EventsLost, ProtocolViolation, QueueFull, UnknownRequest
 from producer.protocol import (FIELD, GROUP, LANES, TERMINAL, DoneEvent, Event, SamplingParams, TokenEvent,
                                decode_event, decode_request)
@@ -110,11 +111,12 @@ class Workers:
     """`python -m worker` processes on the tiny model, one log each; a name restarted keeps its
     name (and heartbeat key; its consumer in the group is new) and gets a fresh log."""
 
-    def __init__(self, url: str, logdir: Path, *flags: str) -> None:
-        self.url, self.logdir, self.flags = url, logdir, flags
+    def __init__(self, url: str, logdir: Path, *flags: str, cluster: bool = False) -> None:
+        self.url, self.logdir = url, logdir
+        self.flags = (*flags, "--redis-cluster") if cluster else flags
         self.processes: dict[str, subprocess.Popen] = {}
         self.starts: defaultdict[str, int] = defaultdict(int)
-        self.client = redis.Redis.from_url(url)
+        self.client = connect(url, cluster=cluster)
 
     def start(self, name: str) -> subprocess.Popen:
         self.starts[name] += 1
@@ -300,8 +302,8 @@ class Load:
 
     def __init__(self, url: str, specs: Iterator[Spec], rate: float, stream_timeout: float = 120,
                  max_backlog: int = 10_000, live_every: int = 1, slow_consumer_s: float = 0.0,
-                 slow_every: int = 0) -> None:
-        self.producer = Producer(url, max_backlog=max_backlog)
+                 slow_every: int = 0, cluster: bool = False) -> None:
+        self.producer = Producer(url, max_backlog=max_backlog, cluster=cluster)
         self.specs, self.rate, self.stream_timeout = specs, rate, stream_timeout
         self.live_every, self.slow_consumer_s, self.slow_every = live_every, slow_consumer_s, slow_every
         self.followed: list[Followed] = []

@@ -5,15 +5,23 @@ in order. On the cluster, the token events of a step go out as one pipeline per 
 running request, never one round trip per request."""
 
 import asyncio
+import contextlib
+import json
+import sys
 import threading
+import time
 
+import msgspec
 import pytest
 import redis
 
 from producer import AsyncProducer, Producer
 from producer.connect import connect
 
+from ops.demo import free_port
+
 from .conftest import assert_numbered, backlog, greedy, offline, prompts_of, run_until
+from .faults import wait_for
 
 
 @pytest.fixture(params=["node", "cluster"])
@@ -114,3 +122,162 @@ def test_a_steps_events_go_out_as_one_pipeline_per_node_that_holds_a_running_req
                 for client in nodes.values())
     assert asked == 0, "the client asked a server where the keys of a command are (a round trip each)"
     producer.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random llama with SmolLM2's tokenizer, saved as a model directory: text prompts."""
+    from worker.engine.models import random_model
+
+    path = tmp_path_factory.mktemp("tiny-smollm2")
+    random_model(f"random:llama:vocab_size={len(smollm2_tokenizer)},eos_token_id=2").save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
+def models(client) -> list:
+    """The models a gateway lists, or none while it does not answer yet."""
+    import openai
+
+    try:
+        return client.models.list().data
+    except openai.APIError:
+        return []
+
+
+@contextlib.contextmanager
+def serving(worker):
+    """The worker's loop on a thread until the block ends (its clients are used there only)."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            worker.turn()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def test_the_cli_the_gateway_and_rq_jobs_on_the_cluster(cluster_url, redis_url, model_dir, tmp_path, capsys,
+                                                          monkeypatch, launch):
+    """Every entry point with --redis-cluster (or $STREAMBATCH_REDIS_CLUSTER) against one worker on the
+    cluster; each answer is the offline engine's."""
+    from rq import Queue, SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    import openai
+
+    from producer import rq_jobs
+    from producer.cli import main
+    from producer.protocol import SamplingParams
+    from worker.config import WorkerConfig
+    from worker.engine.config import EngineConfig
+    from worker.llm import LLM
+    from worker.service import Worker
+
+    greedy8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    offline = LLM(str(model_dir), num_blocks=64)
+    config = WorkerConfig(engine=EngineConfig.from_options(str(model_dir), num_blocks=64), redis_url=cluster_url,
+                          redis_cluster=True, name="cw", heartbeat_interval=0.2, reclaim_idle_ms=60_000)
+    worker = Worker(config)
+    try:
+        with serving(worker):
+            cli = ["--redis-url", cluster_url, "--redis-cluster"]
+            assert main([*cli, "submit", "The sky is", "--max-tokens", "8", "--temperature", "0", "--id", "by-cli"]) == 0
+            assert main([*cli, "result", "by-cli", "--json", "--timeout", "60"]) == 0
+            answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+            assert answer["token_ids"] == offline.generate("The sky is", SamplingParams(max_tokens=8, temperature=0),
+                                                           progress=False)[0].token_ids
+            assert main(["--redis-url", cluster_url, "--redis-cluster", "stats", "--json"]) == 0
+            assert '"cw"' in capsys.readouterr().out  # the workers, by a SCAN of every node
+
+            port = free_port()
+            gateway = launch([sys.executable, "-m", "producer.gateway", "--redis-url", cluster_url, "--redis-cluster",
+                              "--port", str(port), "--anonymous-tenant", "default", "--log-level", "warning"],
+                             tmp_path / "gateway.log")
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            wait_for(lambda: models(client), 60, f"the gateway on the cluster ({gateway.poll()})")
+            question = [{"role": "user", "content": "Name three colours."}]
+            chunks = client.chat.completions.create(model=str(model_dir), messages=question, max_tokens=8,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+            assert streamed == offline.generate(question, greedy8, progress=False)[0].text
+
+            monkeypatch.setenv("STREAMBATCH_REDIS_CLUSTER", "1")  # what streambatch-rq-worker --redis-cluster sets
+            queue = Queue("llm", connection=redis.Redis.from_url(redis_url), serializer=JSONSerializer)
+            job = queue.enqueue(rq_jobs.generate, "The sea is", params=msgspec.structs.asdict(greedy8),
+                                url=cluster_url)
+            SimpleWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True)
+            assert job.latest_result().return_value["text"] == offline.generate("The sea is", greedy8,
+                                                                                progress=False)[0].text
+    finally:
+        worker.close()
+
+
+def test_a_tenant_resharded_up_and_down_while_its_requests_are_in_flight_loses_none(cluster_url, make_worker, model,
+                                                                                    monkeypatch):
+    """A registered tenant (its ACL user on every node) from 1 shard per lane to 4 and back to 2 while
+    its requests run: each reshard is picked up by producers and the worker, and a producer still
+    sending to a shard past the new count (its count not yet read again) is served all the same."""
+    from producer import core as producer_core
+    from producer.core import shard_of
+    from producer.protocol import LANES, Keys
+    from producer.tenants import TenantRegistry
+
+    monkeypatch.setattr(producer_core, "SHARDS_REFRESH_S", 0.1)
+    operator = connect(cluster_url, cluster=True)
+    registry = TenantRegistry(operator, Keys())
+    password = registry.add("team").password
+    keys = Keys().of("team")
+    tenant_url = cluster_url.replace("redis://", "redis://tenant-team@")
+    producer = Producer(tenant_url, password=password, tenant="team", cluster=True)
+    stale = Producer(tenant_url, password=password, tenant="team", cluster=True)
+    worker = make_worker(redis_url=cluster_url, redis_cluster=True, heartbeat_interval=0.1)
+    prompts = prompts_of(40, seed=11)
+    params = [greedy(20 + i % 13) for i in range(40)]
+    handles = []
+
+    def submit(indices) -> None:
+        for i in indices:
+            handles.append(producer.submit(prompt_ids=prompts[i], params=params[i], request_id=f"t{i}"))
+        run_until([worker], lambda: any(flight.sequence is not None for flight in worker.flights.values()))
+
+    def shards_used() -> set[int]:
+        return {shard for lane in LANES for shard in range(4) if operator.exists(keys.requests(lane, shard))
+                and operator.xinfo_stream(keys.requests(lane, shard))["entries-added"]}
+
+    submit(range(10))
+    assert shards_used() == {0}
+    registry.reshard("team", 4)
+    time.sleep(0.2)  # past SHARDS_REFRESH_S: the producer reads the new count at its next submit
+    submit(range(10, 25))
+    stale.core.shard_count = (time.monotonic() + 60, 4)  # read before the reshard down, and kept a while
+    registry.reshard("team", 2)
+    time.sleep(0.2)
+    submit(range(25, 37))
+    for i in range(37, 39):
+        handles.append(producer.submit(prompt_ids=prompts[i], params=params[i], request_id=f"t{i}"))
+    late = next(name for name in (f"late{k}" for k in range(100)) if shard_of(name, 4) == 3)
+    handles.append(stale.submit(prompt_ids=prompts[39], params=params[39], request_id=late))
+    assert handles[-1].lane is not None and any(
+        late.encode() in fields[b"m"] for lane in LANES for _, fields in operator.xrange(keys.requests(lane, 3)))
+    assert shards_used() == {0, 1, 2, 3}
+    run_until([worker], lambda: all(finished(handle) for handle in handles), timeout=120)
+    expected = offline(model, prompts, params)
+    for i, handle in enumerate(handles):
+        assert handle.result(timeout=5).token_ids == expected[i], handle.id
+    producer.close()
+    stale.close()
+
+
+def finished(handle) -> bool:
+    try:
+        handle.result(timeout=0.01)
+    except TimeoutError:
+        return False
+    return True
