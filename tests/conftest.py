@@ -116,123 +116,16 @@ def private_redis(workdir, password: str | None = None, *, username: str | None 
         process.wait(timeout=10)
 
 
-class LocalCluster:
-    """A Redis Cluster of redis-server processes on loopback: 3 masters, each with a replica."""
-
-    NODE_TIMEOUT_MS = 1000  # how soon a dead master's replica takes over (plus an election)
-
-    def __init__(self, workdir, options: tuple[str, ...] = ()) -> None:
-        import shutil
-        import socket
-
-        self.workdir, self.options = workdir, options
-        self.binary = shutil.which("redis-server")
-        if self.binary is None or shutil.which("redis-cli") is None:
-            pytest.fail("redis-server is not installed: run `make setup` (Debian package redis-server)")
-        self.ports: list[int] = []
-        while len(self.ports) < 6:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                if (port := probe.getsockname()[1]) not in self.ports and port < 55535:  # +10000: the bus port
-                    self.ports.append(port)
-        self.processes: dict[int, subprocess.Popen] = {}
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
-
-    def live_url(self) -> str:
-        """A URL naming a node that runs (after one was killed)."""
-        port = next(port for port, process in self.processes.items() if process.poll() is None)
-        return f"redis://127.0.0.1:{port}/0"
-
-    def start_node(self, port: int) -> None:
-        directory = self.workdir / str(port)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.processes[port] = subprocess.Popen(
-            [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", str(directory / "nodes.conf"), "--cluster-node-timeout",
-             str(self.NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no", "--dir", str(directory), *self.options],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def __enter__(self) -> "LocalCluster":
-        import time
-
-        import redis
-
-        for port in self.ports:
-            self.start_node(port)
-        for port in self.ports:
-            self.wait(lambda: redis.Redis(port=port).ping(), f"node {port} up")
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
-                        "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        self.wait(self.healthy, "the cluster's slots covered, and every master with a replica")
-        time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-    @staticmethod
-    def wait(condition, what: str, timeout: float = 30) -> None:
-        import time
-
-        import redis
-
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if condition():
-                    return
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out waiting for {what}")
-            time.sleep(0.1)
-
-    def nodes(self) -> list[dict]:
-        """CLUSTER NODES as seen from a live node: {port, id, master (bool), master_id, slots, alive}."""
-        import redis
-
-        for port, process in self.processes.items():
-            if process.poll() is None:
-                text = redis.Redis(port=port, decode_responses=True).execute_command("CLUSTER", "NODES")
-                break
-        found = []
-        for line in (text if isinstance(text, str) else "").splitlines():
-            fields = line.split()
-            found.append({"id": fields[0], "port": int(fields[1].split("@")[0].rsplit(":", 1)[1]),
-                          "master": "master" in fields[2], "master_id": fields[3],
-                          "alive": "fail" not in fields[2] and fields[7] == "connected", "slots": fields[8:]})
-        return found
-
-    def healthy(self) -> bool:
-        import redis
-
-        nodes = self.nodes()
-        masters = [node for node in nodes if node["master"] and node["alive"] and node["slots"]]
-        replicated = {node["master_id"] for node in nodes if not node["master"] and node["alive"]}
-        return (len(masters) == 3 and all(master["id"] in replicated for master in masters)
-                and all(redis.Redis(port=node["port"]).cluster("info")["cluster_state"] == "ok"
-                        for node in nodes if node["alive"]))
-
-    def masters(self) -> list[int]:
-        return [node["port"] for node in self.nodes() if node["master"] and node["alive"] and node["slots"]]
-
-    def flush(self) -> None:
-        import redis
-
-        for port in self.masters():
-            redis.Redis(port=port).flushall()
-
-
 @contextlib.contextmanager
-def private_cluster(workdir, options: tuple[str, ...] = ()) -> Iterator[LocalCluster]:
-    with LocalCluster(workdir, options) as cluster:
-        yield cluster
+def private_cluster(workdir, options: tuple[str, ...] = ()):
+    """A Redis Cluster of this test's own (ops/local_cluster.py), stopped on the way out."""
+    from ops.local_cluster import LocalCluster, MissingRedis
+
+    try:
+        with LocalCluster(workdir, options) as cluster:
+            yield cluster
+    except MissingRedis as error:
+        pytest.fail(str(error))
 
 
 @pytest.fixture(scope="session")
