@@ -17,7 +17,9 @@ and podman-compose, end to end. Each step is timed and checked; the first failur
      and a wrong key refused;
   6. a long request whose worker is killed with `podman kill -s KILL` mid-generation: another
      finishes it, every seq exactly once, its tokens those of an undisturbed run;
-  7. Prometheus's targets API: every worker up;
+  7. Prometheus's targets API: every worker up; then the cluster profile: six Redis nodes formed
+     by redis-cluster-init, a tenant registered on it by the tools service in cluster mode, and its
+     request through gateway-cluster, answered by worker-cluster as the single node's was;
   8. the hardening, on the running containers (`podman inspect`, `podman exec`): users, read-only
      roots, no capabilities, no-new-privileges, pid and memory limits, no compiler in the worker,
      no password in any environment, command line or process argument list; Redis refusing a
@@ -59,7 +61,7 @@ from rich.console import Console
 from ops.demo import DemoError, free_port
 from ops.tool import run_tool
 from producer import Producer
-from producer.acl import GATEWAY_USER, OPERATOR_USER, WORKER_USER, tenant_user
+from producer.acl import GATEWAY_USER, OPERATOR_USER, REPLICATOR_USER, SERVICE_USERS, WORKER_USER, tenant_user
 from producer.protocol import FIELD, GROUP, DoneEvent, Keys, SamplingParams, TokenEvent, decode_event, read_password
 from producer.tenants import API_KEY_PREFIX
 from worker.heartbeat import worker_of
@@ -98,9 +100,10 @@ class Smoke:
         self.figures: dict[str, object] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="streambatch-smoke-"))
         self.secrets = self.scratch / "secrets"
-        self.passwords = {user: secrets.token_urlsafe(24) for user in (GATEWAY_USER, WORKER_USER, OPERATOR_USER)}
+        self.passwords = {user: secrets.token_urlsafe(24) for user in SERVICE_USERS}
         self.password = self.passwords[OPERATOR_USER]  # the smoke's own client is the operator
         self.redis_port, self.prometheus_port, self.gateway_port = free_port(), free_port(), free_port()
+        self.cluster_gateway_port = free_port()
         self.index_port = port_or_free(INDEX_PORT)  # the same one each run, or the build's cache misses
         podman_compose = shutil.which("podman-compose", path=str(Path(sys.executable).parent))
         self.podman_compose = podman_compose or shutil.which("podman-compose")
@@ -110,7 +113,9 @@ class Smoke:
             "REDIS_WORKER_PASSWORD_FILE": str(self.secret(WORKER_USER)),
             "REDIS_OPERATOR_PASSWORD_FILE": str(self.secret(OPERATOR_USER)),
             "REDIS_GATEWAY_PASSWORD_FILE": str(self.secret(GATEWAY_USER)),
+            "REDIS_REPLICATOR_PASSWORD_FILE": str(self.secret(REPLICATOR_USER)),
             "GATEWAY_PORTS": str(self.gateway_port),
+            "GATEWAY_CLUSTER_PORTS": str(self.cluster_gateway_port),
             "TOOLS_USER": CONTAINER_USER,
             "TENANT_SECRETS_DIR": str(self.secrets / "tenants"),
             "SMOKE_REDIS_PORT": str(self.redis_port),
@@ -162,6 +167,9 @@ class Smoke:
                     self.crash_restarts()
                 with self.step("Prometheus scrapes every worker"):
                     self.prometheus_targets()
+                with self.step("the cluster profile: six nodes formed, a tenant, a request through its gateway",
+                               "cluster_s"):
+                    self.cluster()
                 with self.step("hardening of the running containers"):
                     self.hardening()
                 with self.step("down, then up: Redis keeps its data"):
@@ -368,6 +376,42 @@ class Smoke:
             raise SmokeError("the gateway served a wrong API key")
         self.figures["gateway_text"] = reply.choices[0].message.content
         self.console.print(f"  the gateway answered {reply.choices[0].message.content!r}; a wrong key got 401")
+
+    def cluster(self) -> None:
+        """compose's cluster profile: six Redis nodes formed by redis-cluster-init (its replicas
+        linked as `replicator`), a tenant registered on every node by the tools service in cluster
+        mode, and a request through gateway-cluster with its key, answered by worker-cluster."""
+        self.compose("--profile", "cluster", "up", "-d")
+        init = self.podman("ps", "-a", "--filter", f"label=io.podman.compose.project={PROJECT}", "--filter",
+                           "label=com.docker.compose.service=redis-cluster-init", "--format", "{{.Names}}").stdout.split()
+        status = self.podman("wait", *init).stdout.split()
+        formed = self.podman("logs", *init)
+        if status != ["0"]:
+            raise SmokeError(f"redis-cluster-init exited {status}: {formed.stdout[-500:]}{formed.stderr[-500:]}")
+        self.healthy([name for name in self.containers() if self.inspect(name)["Config"].get("Healthcheck")])
+        added = self.compose("--profile", "tools", "run", "--rm", "-e", "STREAMBATCH_REDIS_URL="
+                             "redis://operator@redis-node-0:6379/0", "-e", "STREAMBATCH_REDIS_CLUSTER=1", "tools",
+                             "tenant", "add", f"{TENANT}-cluster", "--password-file", f"/tenants/{TENANT}-cluster.password")
+        api_key = added.stdout.strip().splitlines()[-1]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.cluster_gateway_port}/v1", api_key=api_key,
+                               max_retries=0)
+        try:
+            reply = client.chat.completions.create(model="smollm2-135m", max_tokens=16, temperature=0,
+                                                   messages=[{"role": "user", "content": "Name three colours."}])
+        except openai.APIError as error:
+            raise SmokeError(f"the cluster's gateway did not answer: {error!r}") from None
+        if reply.choices[0].message.content != self.figures["gateway_text"]:
+            raise SmokeError(f"the cluster's answer differs from the single node's: {reply}")
+        linked = sum("master_link_status:up" in self.podman("exec", name, "sh", "-c",
+                                                             'REDISCLI_AUTH="$(cat /run/secrets/redis_operator_password)" '
+                                                             "redis-cli --user operator info replication").stdout
+                     for name in self.containers() if "redis-node" in name)
+        if linked != 3:
+            raise SmokeError(f"{linked} replicas linked to their masters, not 3")
+        self.figures["cluster"] = {"formed": formed.stdout.strip().splitlines()[-1], "replicas_linked": linked,
+                                   "answer": reply.choices[0].message.content}
+        self.console.print(f"  {formed.stdout.strip().splitlines()[-1]}; 3 replicas linked as replicator; the "
+                           "cluster's gateway gave the single node's answer")
 
     def kill_mid_generation(self) -> str:
         """-> the container killed."""

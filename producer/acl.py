@@ -3,7 +3,7 @@
 
 - A tenant's producer (`tenant-<name>`): XADD to its own lane streams (every shard); read its
   requests' replay streams and submission keys, its streams' lengths and pending counts, and its
-  shard count; SUBSCRIBE to its requests' channels; SET (and DEL) its submission keys, SET its
+  settings (shards, backlog limit); SUBSCRIBE to its requests' channels; SET (and DEL) its submission keys, SET its
   cancel keys and PUBLISH on its cancel channel and, on a cluster, its enqueue channel. Nothing else: no other tenant's key or channel, no shared key (registry, pins,
   dead letters, heartbeats), no SCAN, KEYS, EVAL, FLUSHALL, CONFIG, DEBUG, MODULE or SCRIPT, and
   no DEL or SET of a stream, nor an XADD to a replay stream (that would forge events).
@@ -12,8 +12,9 @@
   its Responses records. No XADD to a replay stream, no shared key written.
 - The worker (`worker`): what the service does, on every tenant's keys and the shared ones, and
   no admin command.
-- The operator (`operator`): stats, the tenant registry, pins, dead letters, and ACL management
-  (creating and removing tenant users), with reads of everything.
+- The operator (`operator`): stats, the tenant registry, pins, dead letters, ACL management
+  (creating and removing tenant users) and cluster management, with reads of everything.
+- The replicator (`replicator`): what a replica needs of its master (PSYNC, REPLCONF), no key.
 No one logs in as the default user (see users_acl). `users_acl` writes the ACL file compose loads
 (ops/redis/users.acl).
 """
@@ -26,8 +27,11 @@ from typing import Literal
 
 from producer.protocol import ANY_NAME, LANES, Keys
 
-Role = Literal["tenant", "gateway", "worker", "operator"]
+Role = Literal["tenant", "gateway", "worker", "operator", "replicator"]
 DEFAULT_USER, GATEWAY_USER, WORKER_USER, OPERATOR_USER = "default", "gateway", "worker", "operator"
+REPLICATOR_USER = "replicator"  # what a replica logs in to its master as (masteruser)
+# The users of the ACL file, besides the tenants', each with the role of its name.
+SERVICE_USERS = (GATEWAY_USER, WORKER_USER, OPERATOR_USER, REPLICATOR_USER)
 # In ops/redis/users.acl, where the Redis container's start puts each password's SHA-256
 # (from its compose secret), so that no secret is in the file.
 PASSWORD_PLACEHOLDER = "@{user}_PASSWORD_SHA256@"
@@ -44,10 +48,12 @@ _WORKER_COMMANDS = [
 ]
 _OPERATOR_COMMANDS = [
     "+scan", "+type", "+get", "+exists", "+hgetall", "+hget", "+hexists", "+hset", "+hdel", "+xlen", "+xrange", "+xrevrange",
-    "+set", "+del",  # the tenants' shard counts (Keys.shards)
+    "+set", "+del",  # the tenants' settings (Keys.settings)
     "+xpending", "+xinfo|groups", "+xinfo|consumers",
     "+acl|setuser", "+acl|deluser", "+acl|getuser", "+acl|users", "+acl|save", "+acl|whoami",
+    "+cluster", "+info",  # making and resharding a Redis Cluster (redis-cli --cluster create, reshard)
 ]
+_REPLICATOR_COMMANDS = ["+psync", "+replconf", "+ping"]
 
 
 def tenant_user(tenant: str) -> str:
@@ -66,7 +72,7 @@ def _producer_rules(keys: Keys) -> list[str]:
             "+xlen", "+xpending", "+xrange", "+exists", "+get", "+subscribe", "+unsubscribe", "+ssubscribe",
             "+sunsubscribe",
             *(f"%R{rule}" for rule in streams), f"%R~{_pattern(keys.replay(ANY_NAME))}",
-            f"%R~{_pattern(keys.submitted(ANY_NAME))}", f"%R~{_pattern(keys.shards)}",
+            f"%R~{_pattern(keys.submitted(ANY_NAME))}", f"%R~{_pattern(keys.settings)}",
             f"&{_pattern(keys.tokens(ANY_NAME))}",
             f"(+xadd {' '.join(streams)})",
             f"(+set +del ~{_pattern(keys.submitted(ANY_NAME))})",
@@ -78,6 +84,8 @@ def role_rules(role: Role, keys: Keys) -> list[str]:
     """The ACL rules of `role` (after `reset`), for `keys`' tenant when the role is a tenant's."""
     if role == "tenant":
         return _producer_rules(keys)
+    if role == "replicator":
+        return ["resetkeys", "resetchannels", "-@all", *_REPLICATOR_COMMANDS]
     if role == "gateway":  # a producer for every tenant, which also reads the registry and the heartbeats
         every = keys.of(ANY_NAME)
         records = _pattern(every.response(ANY_NAME))
@@ -89,7 +97,7 @@ def role_rules(role: Role, keys: Keys) -> list[str]:
 
 
 def users_acl(keys: Keys, secrets: dict[str, str] | None = None) -> str:
-    """The ACL file: the default user, the worker and the operator. `secrets`: user -> the
+    """The ACL file: the default user and the service users (SERVICE_USERS). `secrets`: user -> the
     password rule (`#<sha256>` or `><password>`); by default the placeholders the Redis
     container's start replaces with its secrets' hashes.
 
@@ -100,13 +108,12 @@ def users_acl(keys: Keys, secrets: dict[str, str] | None = None) -> str:
     as it, and a connection that has not logged in as another user may do nothing (NOAUTH)."""
     if secrets is None:
         secrets = {user: "#" + PASSWORD_PLACEHOLDER.format(user=user.upper())
-                   for user in (DEFAULT_USER, GATEWAY_USER, WORKER_USER, OPERATOR_USER)}
+                   for user in (DEFAULT_USER, *SERVICE_USERS)}
     else:  # a user not given one gets a password no one knows
-        secrets = {user: "#" + randomness.token_hex(32)
-                   for user in (DEFAULT_USER, GATEWAY_USER, WORKER_USER, OPERATOR_USER)} | secrets
+        secrets = {user: "#" + randomness.token_hex(32) for user in (DEFAULT_USER, *SERVICE_USERS)} | secrets
     lines = [f"user {DEFAULT_USER} on {secrets[DEFAULT_USER]} resetkeys ~* resetchannels &* +@all"]
-    for user, role in ((GATEWAY_USER, "gateway"), (WORKER_USER, "worker"), (OPERATOR_USER, "operator")):
-        lines.append(" ".join(["user", user, "on", secrets[user], *role_rules(role, keys)]))
+    for user in SERVICE_USERS:
+        lines.append(" ".join(["user", user, "on", secrets[user], *role_rules(user, keys)]))
     return "\n".join(lines) + "\n"
 
 

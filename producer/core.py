@@ -44,14 +44,15 @@ import msgspec
 from producer.errors import (Disconnected, EventsLost, NotPermitted, ProtocolViolation, QueueFull,
                              UnknownRequest)
 from producer.protocol import (ENQUEUE_TTL_S, FIELD, GROUP, LANES, MAX_SHARDS, Event, Keys, Request, Submission,
-                               decode_event, decode_request, decode_submission, encode)
+                               TenantSettings, decode_event, decode_request, decode_settings, decode_submission,
+                               encode)
 from producer.sequencer import EventSequencer
 from producer.stats import LaneStats, QueueStats, parse_heartbeat
 from producer.submission import choose_lane, encoded
 
 RECONNECT_PATIENCE_S = 60.0
 SUBMIT_PATIENCE_S = 10.0
-SHARDS_REFRESH_S = 5.0  # how long a producer keeps its tenant's shard count before reading it again
+SETTINGS_REFRESH_S = 5.0  # how long a producer keeps its tenant's settings before reading them again
 ENQUEUE_POLL_S = 0.2  # how often a submit of an id that another submit is enqueueing looks again
 # A flow's wait before it tries a lost connection again, doubling while it stays lost.
 RECONNECT_RETRY_S, MAX_RECONNECT_RETRY_S = 0.1, 2.0
@@ -135,7 +136,7 @@ class ProducerCore:
         self.keys, self.max_backlog = keys, max_backlog
         self.claim_ttl, self.poll_interval = claim_ttl, poll_interval
         self.cluster = cluster
-        self.shard_count = (float("-inf"), 1)  # (read at, the tenant's shard count)
+        self.tenant_settings = (float("-inf"), TenantSettings())  # (read at, the registry's Keys.settings)
 
     def submit(self, request: Request) -> Flow:
         """-> (lane, duplicate). Takes the id (SET NX, short-lived, with this call's token),
@@ -146,9 +147,10 @@ class ProducerCore:
         (InvalidRequest) before anything reaches Redis."""
         entry = encoded(request)
         lane = choose_lane(request)
-        shards = yield from self.shards(Deadline(None, request.id))
+        settings = yield from self.settings(Deadline(None, request.id))
+        shards, limit = settings.shards, min(self.max_backlog, settings.max_backlog)
         stream = self.keys.requests(lane, shard_of(request.id, shards))
-        max_backlog = -(-self.max_backlog // shards)  # the lane's limit, shared by its shards
+        max_backlog = -(-limit // shards)  # the lane's limit, shared by its shards
         claim, token = self.keys.submitted(request.id), uuid.uuid4().hex
         gives_up_at = time.monotonic() + SUBMIT_PATIENCE_S
         while True:
@@ -166,7 +168,7 @@ class ProducerCore:
                 return lane, False  # our enqueue went through; only its reply was lost
             if backlog >= max_backlog:
                 yield Call((command("delete", claim),))
-                raise QueueFull(lane, backlog * shards, self.max_backlog)
+                raise QueueFull(lane, backlog * shards, limit)
             try:
                 yield from self._enqueue(stream, entry, claim, Submission(lane, by=token))
                 return lane, False
@@ -189,15 +191,16 @@ class ProducerCore:
         yield Call((command("set", claim, encode(queued), xx=True, ex=self.claim_ttl),))
         yield Call((command("publish", self.keys.enqueued, queued.lane),))
 
-    def shards(self, clock: Deadline) -> Flow:
-        """-> the tenant's shard count (Keys.shards), read again once SHARDS_REFRESH_S old. Missing or
-        unreadable (a tenant user from before shards) it is 1: shard 0 is always served."""
-        read_at, shards = self.shard_count
-        if time.monotonic() - read_at >= SHARDS_REFRESH_S:
-            [value] = yield from _patiently(Call((command("get", self.keys.shards),), raise_on_error=False), clock)
-            shards = _shard_count(value)
-            self.shard_count = (time.monotonic(), shards)
-        return shards
+    def settings(self, clock: Deadline) -> Flow:
+        """-> the tenant's TenantSettings (Keys.settings), read again once SETTINGS_REFRESH_S old.
+        Missing or unreadable (a tenant not registered, or a user from before settings) they are the
+        defaults: one shard, shard 0 always served, and the producer's own backlog limit."""
+        read_at, settings = self.tenant_settings
+        if time.monotonic() - read_at >= SETTINGS_REFRESH_S:
+            [value] = yield from _patiently(Call((command("get", self.keys.settings),), raise_on_error=False), clock)
+            settings = _settings(value)
+            self.tenant_settings = (time.monotonic(), settings)
+        return settings
 
     def cancel(self, request_id: str) -> Flow:
         """A durable flag (checked by the worker every step) plus a nudge on the channel: one MULTI,
@@ -212,7 +215,7 @@ class ProducerCore:
 
     def stats(self) -> Flow:
         """-> QueueStats: each lane's backlog and pending entries over the tenant's shards."""
-        shards = yield from self.shards(Deadline(None, "stats"))
+        shards = (yield from self.settings(Deadline(None, "stats"))).shards
         lanes = {}
         for lane in LANES:
             streams = [self.keys.requests(lane, shard) for shard in range(shards)]
@@ -417,12 +420,12 @@ def shard_of(request_id: str, shards: int) -> int:
     return zlib.crc32(request_id.encode()) % shards
 
 
-def _shard_count(value) -> int:
+def _settings(value) -> TenantSettings:
     try:
-        shards = int(value)
-    except (TypeError, ValueError):  # missing, or an error in its place (NOPERM)
-        return 1
-    return shards if 1 <= shards <= MAX_SHARDS else 1
+        settings = decode_settings(value)
+    except (TypeError, msgspec.DecodeError):  # missing, or an error in its place (NOPERM)
+        return TenantSettings()
+    return settings if 1 <= settings.shards <= MAX_SHARDS and settings.max_backlog >= 1 else TenantSettings()
 
 
 def _reply(value):

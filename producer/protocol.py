@@ -399,18 +399,36 @@ class Tenant(msgspec.Struct, omit_defaults=True):
     # The most shards it has had: workers read them all, so that what was enqueued before a reshard
     # down is served (the registry never lowers it).
     max_shards: int = 1
+    max_running: int | None = None  # its sequences one worker runs at once (None: no limit)
 
     def __post_init__(self) -> None:
         if not (0 < self.weight <= 1000):
             raise ValueError(f"weight must be in (0, 1000], got {self.weight}")
         if self.max_backlog < 1:
             raise ValueError(f"max_backlog must be >= 1, got {self.max_backlog}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1 (or none), got {self.max_running}")
         if not 1 <= self.shards <= self.max_shards <= MAX_SHARDS:
             raise ValueError(f"shards must be in [1, {MAX_SHARDS}] and at most max_shards, "
                              f"got {self.shards} and {self.max_shards}")
 
 
 _tenant_decoder = msgspec.json.Decoder(Tenant)
+
+
+class TenantSettings(msgspec.Struct, frozen=True):
+    """What a tenant's own producers read of its registry entry (Keys.settings): where to send new
+    requests and how many may wait."""
+
+    shards: int = 1
+    max_backlog: int = 10_000
+
+
+_settings_decoder = msgspec.json.Decoder(TenantSettings)
+
+
+def decode_settings(data: bytes) -> TenantSettings:
+    return _settings_decoder.decode(data)
 
 
 def decode_tenant(data: bytes) -> Tenant:
@@ -445,7 +463,7 @@ class Keys:
     - `replay(id)`: every event write sets its TTL to the worker's replay TTL (DEFAULT_REPLAY_TTL_S).
     - `worker(name)`: the heartbeat, a few seconds past the next beat.
     - `dead_letters`: trimmed to the workers' --dead-letter-ttl, and capped.
-    - `pins`, `tenants`, `shards`: permanent, operator-managed.
+    - `pins`, `tenants`, `settings`: permanent, operator-managed.
     - `tokens(id)`, `cancel_channel`, `enqueued`: channels, nothing stored.
     """
 
@@ -468,10 +486,10 @@ class Keys:
         return f"{self.tenant_prefix}req:{{{self.tenant}.{lane}.{shard}}}"
 
     @property
-    def shards(self) -> str:
-        """The tenant's shard count (Tenant.shards) for its producers, who may not read the registry:
-        written by the operator beside the registry entry, read-only to the tenant (producer/acl.py)."""
-        return f"{self.prefix}:shards:{self.tenant}"
+    def settings(self) -> str:
+        """The tenant's TenantSettings, for its producers, who may not read the registry: written by
+        the operator beside the registry entry, read-only to the tenant (producer/acl.py)."""
+        return f"{self.prefix}:settings:{self.tenant}"
 
     def v1_requests(self, lane: Lane) -> str:
         """The lane stream of layout v1 (no tenants), looked at only to refuse a start over it."""

@@ -14,7 +14,7 @@ import redis
 
 from producer.acl import role_rules, tenant_user
 from producer.connect import is_cluster
-from producer.protocol import Keys, Tenant, check_tenant, decode_tenant
+from producer.protocol import Keys, Tenant, TenantSettings, check_tenant, decode_tenant
 
 API_KEY_PREFIX = "sbk-"  # what a gateway API key starts with: easy to spot in a leak scanner
 
@@ -45,19 +45,31 @@ class TenantRegistry:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client, self.keys = client, keys
 
-    def add(self, tenant: str, weight: float = 1.0, max_backlog: int = 10_000, shards: int = 1) -> Credentials:
+    def add(self, tenant: str, weight: float = 1.0, max_backlog: int = 10_000, shards: int = 1,
+            max_running: int | None = None) -> Credentials:
         """Register a new tenant with its ACL user and API key. Raises ValueError for a bad name or
         one registered already, redis.ResponseError (NOPERM) for a user who is not the operator."""
         check_tenant(tenant)
         if self.client.hexists(self.keys.tenants, tenant):
             raise ValueError(f"tenant {tenant!r} is registered already (rotate-key makes it new credentials)")
-        return self._issue(tenant, Tenant(weight=weight, max_backlog=max_backlog, shards=shards, max_shards=shards))
+        return self._issue(tenant, Tenant(weight=weight, max_backlog=max_backlog, shards=shards, max_shards=shards,
+                                          max_running=max_running))
+
+    def update(self, tenant: str, **changes) -> Tenant:
+        """Change a registered tenant's weight, max_backlog or max_running (workers apply them at
+        their next heartbeat, producers within SETTINGS_REFRESH_S). Raises ValueError for a bad value."""
+        unknown = set(changes) - {"weight", "max_backlog", "max_running"}
+        if unknown:
+            raise ValueError(f"cannot change {sorted(unknown)} here")
+        entry = Tenant(**msgspec.structs.asdict(self._entry(tenant)) | changes)
+        self._write(tenant, entry)
+        return entry
 
     def reshard(self, tenant: str, shards: int) -> Tenant:
         """Spread the tenant's new requests over `shards` intake streams per lane, while requests are
         in flight: workers read every shard the tenant has had (max_shards) from their next
         heartbeat, so nothing enqueued before a reshard down is stranded, and producers move to the
-        new count within producer.core.SHARDS_REFRESH_S (an entry a producer still sends to a
+        new count within producer.core.SETTINGS_REFRESH_S (an entry a producer still sends to a
         shard it no longer should is served all the same). Raises ValueError for a bad count."""
         entry = self._entry(tenant)
         entry = Tenant(**msgspec.structs.asdict(entry) | {"shards": shards,
@@ -76,7 +88,7 @@ class TenantRegistry:
         self._entry(tenant)
         self._acl("DELUSER", tenant_user(tenant))
         self.client.hdel(self.keys.tenants, tenant)
-        self.client.delete(self.keys.of(tenant).shards)
+        self.client.delete(self.keys.of(tenant).settings)
         return self._save()
 
     def list(self) -> list[Registered]:
@@ -107,10 +119,11 @@ class TenantRegistry:
             self.client.execute_command("ACL", *args)
 
     def _write(self, tenant: str, entry: Tenant) -> None:
-        """The registry entry, then the shard count its producers read (Keys.shards): two keys,
-        which on a cluster no MULTI spans; either order loses no request (see reshard)."""
+        """The registry entry, then the settings its producers read (Keys.settings): two keys, which
+        on a cluster no MULTI spans; either order loses no request (see reshard)."""
         self.client.hset(self.keys.tenants, tenant, msgspec.json.encode(entry))
-        self.client.set(self.keys.of(tenant).shards, entry.shards)
+        self.client.set(self.keys.of(tenant).settings,
+                        msgspec.json.encode(TenantSettings(entry.shards, entry.max_backlog)))
 
     def _save(self) -> bool:
         """Persist the ACL users where Redis loads them from at its next start (its aclfile);

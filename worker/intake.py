@@ -141,7 +141,7 @@ class Intake:
         read per stream, all in one pipeline (a round trip per node), which cannot block. An idle
         worker (`block_ms`) that finds nothing waits up to block_ms for a producer's enqueue nudge
         and reads again at once if one came: so it polls at most 1000 / block_ms times a second
-        (2 with the defaults) while no request comes, and takes one as soon as it is nudged."""
+        (once with the defaults) while no request comes, and takes one as soon as it is nudged."""
         names = self.streams.names
         pipe = self.client.pipeline(transaction=False)
         for name in names:

@@ -26,10 +26,13 @@ import itertools
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import redis
 import structlog
+from redis.exceptions import RedisClusterException
 
 from producer.connect import connect
 from producer.protocol import (DEFAULT_TENANT, LANES, ErrorEvent, Keys, Request, decode_request, encode,
@@ -38,6 +41,7 @@ from worker.cancels import Cancels
 from worker.claims import Claim, Claims
 from worker.config import WorkerConfig
 from worker.engine.engine import Engine
+from worker.engine.fairness import TenantShare
 from worker.engine.inputs import PromptError, PromptTooLong
 from worker.engine.sequence import FinishReason
 from worker.flight import Flight, engine_id
@@ -48,6 +52,7 @@ from worker.outbox import Outbox
 from worker.step_watch import StepWatch
 from worker.tenants import LaneStreams, read_registry
 
+T = TypeVar("T")
 TURN_RETRY_S, MAX_TURN_RETRY_S = 0.1, 5.0  # the wait after a failed turn, doubling while turns keep failing
 SWEEP_BEATS = 30  # housekeeping rounds between sweeps of dead consumers and old dead letters
 EXIT_STALLED = 70  # the process's status when it ends itself for a stuck loop (EX_SOFTWARE)
@@ -66,14 +71,16 @@ class Worker:
         self.keys = Keys(config.prefix)
         self.consumer = new_consumer(config.name)
         password = read_password(config.redis_password_file) if config.redis_password_file else None
-        self.client = connect(config.redis_url, cluster=config.redis_cluster, password=password)
+        self.log = structlog.get_logger("worker").bind(worker=config.name, consumer=self.consumer)
+        # A cluster client reads the slot map as it is made: a cluster not up (or formed) yet is waited for.
+        self.client = self.wait_for_redis(lambda: connect(config.redis_url, cluster=config.redis_cluster,
+                                                          password=password))
         self.health = Health(stall_timeout=config.stall_timeout)
         self.metrics = Metrics(self.health)
         self.metrics_server = (self.metrics.serve(config.metrics_host, config.metrics_port)
                                if config.metrics_port is not None else None)
         self.streams = LaneStreams(self.keys)
         self.heartbeat = Heartbeat(self.client, self.keys, self.streams, config, self.metrics, self.consumer)
-        self.log = structlog.get_logger("worker").bind(worker=config.name, consumer=self.consumer)
         if engine is None:
             with StartupBeat(self.heartbeat, self.log) as on_phase:
                 engine = Engine(config.engine, on_phase=on_phase)
@@ -81,7 +88,7 @@ class Worker:
         if config.replay_maxlen <= self.engine.max_model_len:
             raise ValueError(f"replay_maxlen ({config.replay_maxlen}) must exceed the model length "
                              f"({self.engine.max_model_len}): every event of a request must stay replayable")
-        self.wait_for_redis()
+        self.wait_for_redis(self.client.ping)
         self.refuse_v1_layout()
         blocking = self.client if config.redis_cluster else connect(config.redis_url, password=password,
                                                                     blocking_ms=config.block_ms)
@@ -110,17 +117,16 @@ class Worker:
         self.done = False
         self.health.state = "ready"  # the engine is loaded and Redis answered (ensure_groups)
 
-    def wait_for_redis(self) -> None:
-        """A Redis that is not up yet, or restarting, is waited for (saying so once), not a reason
-        to exit: a worker started with or before its Redis comes up when it does. A refused
-        password or TLS handshake is no such wait: it raises."""
+    def wait_for_redis(self, reach: Callable[[], T]) -> T:
+        """-> `reach()` once Redis answers it. A Redis that is not up yet, or restarting, is waited
+        for (saying so once), not a reason to exit: a worker started with or before its Redis comes
+        up when it does. A refused password or TLS handshake is no such wait: it raises."""
         for failures in itertools.count(1):
             try:
-                self.client.ping()
-                return
+                return reach()
             except redis.AuthenticationError:
                 raise
-            except (redis.ConnectionError, redis.TimeoutError) as error:
+            except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as error:
                 if is_tls_refusal(error):
                     raise
                 if failures == 1:
@@ -151,6 +157,8 @@ class Worker:
                 self.log.warning("tenants.unreadable", key=self.keys.tenants, problems=problems)
             self.registry_problems = problems
         new = self.streams.serve({DEFAULT_TENANT: 1} | {name: entry.max_shards for name, entry in registered.items()})
+        self.engine.set_tenants({name: TenantShare(entry.weight, entry.max_running)
+                                 for name, entry in registered.items()})
         if new:
             self.intake.ensure_groups(new)
             self.log.info("tenants.serving", tenants=self.streams.tenants)
@@ -381,7 +389,7 @@ class Worker:
             try:
                 flight.sequence = self.engine.add_request(
                     flight.name, **engine_prompt(request), params=request.params, lane=stream.lane,
-                    emitted_token_ids=emitted, cache_salt=stream.tenant.encode())
+                    emitted_token_ids=emitted, tenant=stream.tenant)
             except PromptError as error:
                 self.refuse(flight, "too_long" if isinstance(error, PromptTooLong) else "invalid_request", str(error))
                 return

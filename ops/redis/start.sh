@@ -1,10 +1,13 @@
 #!/bin/sh
 # The Redis container's start (compose.yaml): users.acl (made by `python -m producer.acl`) with the
-# gateway's, the worker's and the operator's password hashes filled in from their compose secrets, plus the tenant
-# users that `streambatch tenant add` saved into the ACL file on the data volume (ACL SAVE) at an
-# earlier run; then redis-server on that file, with the arguments given. A secret reaches no
-# command line, no environment variable and no file but its SHA-256 in the ACL file. Rotating the
-# worker's or the operator's password: change its secret file, restart Redis.
+# gateway's, the worker's, the operator's and the replicator's password hashes filled in from their
+# compose secrets, plus the tenant users that `streambatch tenant add` saved into the ACL file on
+# the data volume (ACL SAVE) at an earlier run; then redis-server on that file, with the arguments
+# given. A secret reaches no command line, no environment variable and no file but its SHA-256 in
+# the ACL file, and the replicator's own password in a config file only Redis reads (what a replica
+# logs in to its master with). Rotating a password: change its secret file, restart Redis.
+# REDIS_CLUSTER_NODE=<its hostname> makes the node a member of a Redis Cluster (compose's cluster
+# profile; ops/redis/cluster-init.sh forms it), announced to clients by that name.
 # (Paths from the environment, for tests/ops/test_redis_start.py.)
 set -eu
 template=${ACL_TEMPLATE:-/etc/streambatch/redis/users.acl}
@@ -28,12 +31,28 @@ operator=$(password_sha256 redis_operator_password)
 nobody() { head -c 32 /dev/urandom | sha256sum | cut -d' ' -f1; }
 default=$(nobody)
 if [ -s "$secrets/redis_gateway_password" ]; then gateway=$(password_sha256 redis_gateway_password); else gateway=$(nobody); fi
+if [ -s "$secrets/redis_replicator_password" ]; then replicator=$(password_sha256 redis_replicator_password); else replicator=$(nobody); fi
 
 umask 077
 {
     sed -e "s/@DEFAULT_PASSWORD_SHA256@/$default/" -e "s/@GATEWAY_PASSWORD_SHA256@/$gateway/" \
-        -e "s/@WORKER_PASSWORD_SHA256@/$worker/" -e "s/@OPERATOR_PASSWORD_SHA256@/$operator/" "$template"
+        -e "s/@WORKER_PASSWORD_SHA256@/$worker/" -e "s/@OPERATOR_PASSWORD_SHA256@/$operator/" \
+        -e "s/@REPLICATOR_PASSWORD_SHA256@/$replicator/" "$template"
     if [ -f "$acl" ]; then grep '^user tenant-' "$acl" || true; fi
 } > "$acl.new"
 mv "$acl.new" "$acl"
-exec redis-server --aclfile "$acl" "$@"
+
+# How this node logs in to a master it replicates (a cluster's replica, or one an operator adds).
+replication="$(dirname "$acl")/replication.conf"
+{
+    echo "masteruser replicator"
+    if [ -s "$secrets/redis_replicator_password" ]; then echo "masterauth $(cat "$secrets/redis_replicator_password")"; fi
+} > "$replication.new"
+mv "$replication.new" "$replication"
+
+if [ -n "${REDIS_CLUSTER_NODE:-}" ]; then
+    set -- --cluster-enabled yes --cluster-config-file "$(dirname "$acl")/nodes.conf" \
+        --cluster-node-timeout "${REDIS_CLUSTER_NODE_TIMEOUT_MS:-5000}" \
+        --cluster-announce-hostname "$REDIS_CLUSTER_NODE" --cluster-preferred-endpoint-type hostname "$@"
+fi
+exec redis-server "$replication" --aclfile "$acl" "$@"

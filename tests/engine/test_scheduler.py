@@ -277,7 +277,8 @@ def test_victim_goes_to_head_and_is_not_chosen_twice_in_a_row():
     while scheduler.has_work:
         plan, _ = step(scheduler)
         if plan.preempted:
-            assert scheduler.waiting[plan.preempted[-1].lane][0] is plan.preempted[-1]
+            victim = plan.preempted[-1]
+            assert scheduler.waiting[victim.lane].head(victim.tenant) is victim
         victims += plan.preempted
     assert len(victims) >= 3 and all(a is not b for a, b in zip(victims, victims[1:]))
     assert all(seq.finish_reason is FinishReason.LENGTH for seq in seqs)

@@ -115,15 +115,18 @@ def test_passwords_come_from_secret_files_never_from_the_environment_or_a_comman
     assert project["secrets"]["redis_operator_password"] == {"file": "/o"}
     assert compose()["secrets"]["redis_worker_password"] == {"file": "./secrets/redis_worker_password"}
     services = project["services"]
-    redis = services["redis"]
-    assert redis["secrets"] == ["redis_gateway_password", "redis_worker_password", "redis_operator_password"]
-    assert "environment" not in redis
-    assert redis["command"][:2] == ["sh", "/etc/streambatch/redis/start.sh"]
-    assert "./ops/redis:/etc/streambatch/redis:ro" in redis["volumes"]
-    assert "--user operator" in " ".join(redis["healthcheck"]["test"])
-    assert "$(cat /run/secrets/redis_operator_password)" in " ".join(redis["healthcheck"]["test"])
+    for name in ("redis", *(f"redis-node-{i}" for i in range(6))):
+        redis = services[name]
+        assert redis["secrets"] == ["redis_gateway_password", "redis_worker_password", "redis_operator_password",
+                                    "redis_replicator_password"], name
+        assert set(redis.get("environment", {})) <= {"REDIS_CLUSTER_NODE"}, "no password in the environment"
+        assert redis["command"][:2] == ["sh", "/etc/streambatch/redis/start.sh"]
+        assert "./ops/redis:/etc/streambatch/redis:ro" in redis["volumes"]
+        assert "--user operator" in " ".join(redis["healthcheck"]["test"])
+        assert "$(cat /run/secrets/redis_operator_password)" in " ".join(redis["healthcheck"]["test"])
     for name, service in worker_services(services).items():
-        assert service["environment"]["STREAMBATCH_REDIS_URL"] == "redis://worker@redis:6379/0", name
+        node = "redis-node-0" if name == "worker-cluster" else "redis"
+        assert service["environment"]["STREAMBATCH_REDIS_URL"] == f"redis://worker@{node}:6379/0", name
         assert service["environment"]["STREAMBATCH_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_worker_password"
         assert service["secrets"] == ["redis_worker_password"], name
     tools = services["tools"]
@@ -207,7 +210,7 @@ def test_every_worker_service_can_be_scaled_and_is_scraped():
     services = compose()["services"]
     workers = worker_services(services)
     built = {name for name, service in services.items() if "build" in service}
-    assert built == set(workers) | {"tools", "gateway"} and {"worker", "worker-cpu"} <= built, \
+    assert built == set(workers) | {"tools", "gateway", "gateway-cluster"} and {"worker", "worker-cpu"} <= built, \
         "a worker Prometheus would not find"
     for name, service in workers.items():
         assert "container_name" not in service and "ports" not in service, f"{name} could not be scaled"
@@ -221,8 +224,12 @@ def test_services_waited_on_and_workers_have_healthchecks_and_the_image_checks_r
     services = compose()["services"]
     waited_on = {needed for service in services.values() if isinstance(service.get("depends_on"), dict)
                  for needed, condition in service["depends_on"].items() if condition["condition"] == "service_healthy"}
-    assert waited_on == {"redis"} and all("healthcheck" in services[name] for name in waited_on)
-    assert "PONG" in " ".join(services["redis"]["healthcheck"]["test"])
+    nodes = {f"redis-node-{i}" for i in range(6)}
+    assert waited_on == {"redis"} | nodes and all("healthcheck" in services[name] for name in waited_on)
+    assert all("PONG" in " ".join(services[name]["healthcheck"]["test"]) for name in waited_on)
+    formed = {name for name, service in services.items() if isinstance(service.get("depends_on"), dict)
+              and service["depends_on"].get("redis-cluster-init", {}).get("condition") == "service_completed_successfully"}
+    assert formed == {"worker-cluster", "gateway-cluster"}, "what runs on the cluster waits until it is formed"
     for name, service in worker_services(services).items():
         # no test of its own: Docker takes the image's HEALTHCHECK test and these timings
         assert "healthcheck" in service and "test" not in service["healthcheck"], name

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.acl import OPERATOR_USER, WORKER_USER, tenant_user
+from producer.acl import OPERATOR_USER, REPLICATOR_USER, WORKER_USER, tenant_user
 from producer.protocol import Keys
 from producer.tenants import TenantRegistry
 from tests.conftest import private_redis
@@ -101,3 +101,71 @@ def test_what_transactions_wrote_survives_a_restart_from_the_append_only_file(la
         worker = redis.Redis.from_url(url, username=WORKER_USER, password="worker-secret-1")
         assert worker.get(Keys().attempt("plain")) == b"1"
         assert worker.xlen(Keys().requests("normal")) == 1 and worker.get(Keys().submitted("kept")) == b"queued"
+
+
+def test_six_nodes_started_for_the_cluster_profile_are_formed_once_and_replicate_as_the_replicator(tmp_path):
+    """compose's cluster profile, without the containers: six start.sh nodes (REDIS_CLUSTER_NODE, each
+    on a loopback address of its own and the same port, as each container has its host name), formed
+    by cluster-init.sh as the operator; each replica logs in to its master as `replicator`, with the
+    password only its config file holds; a second run of cluster-init.sh leaves the cluster as it is."""
+    import socket
+
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    for user in (WORKER_USER, OPERATOR_USER, REPLICATOR_USER):
+        (secrets / f"redis_{user}_password").write_text(f"{user}-secret\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hosts = [f"127.0.0.1{i}" for i in range(6)]  # NODE_PREFIX 127.0.0.1 + 0..5: all loopback
+    nodes = []
+    try:
+        for host in hosts:
+            data = tmp_path / host
+            data.mkdir()
+            env = os.environ | {"ACL_TEMPLATE": str(ROOT / "ops/redis/users.acl"), "SECRETS_DIR": str(secrets),
+                                "ACL_FILE": str(data / "users.acl"), "REDIS_CLUSTER_NODE": host,
+                                "REDIS_CLUSTER_NODE_TIMEOUT_MS": "1000"}
+            # (--cluster-announce-ip: a container's address is its own; here connections leave from 127.0.0.1)
+            nodes.append(subprocess.Popen(["sh", str(START), "--port", str(port), "--bind", host, "--dir", str(data),
+                                           "--cluster-announce-ip", host, "--save", "", "--appendonly", "no"], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        operators = [redis.Redis(host=host, port=port, username=OPERATOR_USER, password="operator-secret")
+                     for host in hosts]
+        wait_until(lambda: all(node.ping() for node in operators), "the nodes up")
+        replication = (tmp_path / hosts[0] / "replication.conf")
+        assert replication.read_text() == "masteruser replicator\nmasterauth replicator-secret\n"
+        assert oct(replication.stat().st_mode & 0o777) == "0o600"
+        env = os.environ | {"SECRETS_DIR": str(secrets), "NODE_PREFIX": "127.0.0.1", "REDIS_PORT": str(port)}
+        formed = subprocess.run(["sh", str(ROOT / "ops/redis/cluster-init.sh")], env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert formed.returncode == 0, formed.stdout[-500:] + formed.stderr[-500:]
+        assert "operator-secret" not in formed.stdout + formed.stderr
+        wait_until(lambda: sum(node.info("replication")["role"] == "slave" and
+                               node.info("replication")["master_link_status"] == "up" for node in operators) == 3,
+                   "three replicas linked to their masters")
+        cluster = redis.RedisCluster(host=hosts[0], port=port, username=WORKER_USER, password="worker-secret")
+        assert {node.host for node in cluster.get_primaries()} <= set(hosts), "nodes announced by their names"
+        cluster.set("sb:key", "value")
+        again = subprocess.run(["sh", str(ROOT / "ops/redis/cluster-init.sh")], env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert again.returncode == 0 and "formed already" in again.stdout
+        assert cluster.get("sb:key") == b"value"
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
+
+
+def wait_until(condition, what: str, timeout: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except redis.RedisError:
+            pass
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.1)

@@ -10,7 +10,7 @@ import redis
 
 from producer.acl import OPERATOR_USER, WORKER_USER, users_acl
 from producer.cli import main
-from producer.protocol import Keys, decode_tenant
+from producer.protocol import Keys, decode_settings, decode_tenant
 from tests.conftest import private_redis
 
 KEYS = Keys("sb")
@@ -65,7 +65,8 @@ def test_add_rotate_list_remove(secured, tmp_path, capsys):
     assert main(flags + ["tenant", "reshard", "team-a", "2"]) == 0
     assert "workers read 4" in capsys.readouterr().err
     entry = decode_tenant(operator.hget(KEYS.tenants, "team-a"))
-    assert (entry.shards, entry.max_shards, operator.get(KEYS.of("team-a").shards)) == (2, 4, b"2")
+    settings = decode_settings(operator.get(KEYS.of("team-a").settings))
+    assert (entry.shards, entry.max_shards, settings.shards, settings.max_backlog) == (2, 4, 2, 10_000)
     assert main(flags + ["tenant", "reshard", "team-a", "65"]) == 1
     assert "shards must be in [1, 64]" in capsys.readouterr().err
     as_tenant = ["--redis-url", f"redis://tenant-team-a@{host}", "--redis-password-file", str(password_file)]
@@ -74,7 +75,7 @@ def test_add_rotate_list_remove(secured, tmp_path, capsys):
 
     assert main(flags + ["tenant", "remove", "team-a"]) == 0
     assert not logs_in(host, "tenant-team-a", new_password) and not operator.hexists(KEYS.tenants, "team-a")
-    assert not operator.exists(KEYS.of("team-a").shards)
+    assert not operator.exists(KEYS.of("team-a").settings)
     assert "tenant-team-a" not in acl.read_text()
 
 

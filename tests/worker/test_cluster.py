@@ -226,10 +226,10 @@ def test_a_tenant_resharded_up_and_down_while_its_requests_are_in_flight_loses_n
     sending to a shard past the new count (its count not yet read again) is served all the same."""
     from producer import core as producer_core
     from producer.core import shard_of
-    from producer.protocol import LANES, Keys
+    from producer.protocol import LANES, Keys, TenantSettings
     from producer.tenants import TenantRegistry
 
-    monkeypatch.setattr(producer_core, "SHARDS_REFRESH_S", 0.1)
+    monkeypatch.setattr(producer_core, "SETTINGS_REFRESH_S", 0.1)
     operator = connect(cluster_url, cluster=True)
     registry = TenantRegistry(operator, Keys())
     password = registry.add("team").password
@@ -254,9 +254,10 @@ def test_a_tenant_resharded_up_and_down_while_its_requests_are_in_flight_loses_n
     submit(range(10))
     assert shards_used() == {0}
     registry.reshard("team", 4)
-    time.sleep(0.2)  # past SHARDS_REFRESH_S: the producer reads the new count at its next submit
+    time.sleep(0.2)  # past SETTINGS_REFRESH_S: the producer reads the new count at its next submit
     submit(range(10, 25))
-    stale.core.shard_count = (time.monotonic() + 60, 4)  # read before the reshard down, and kept a while
+    # read before the reshard down, and kept a while
+    stale.core.tenant_settings = (time.monotonic() + 60, TenantSettings(shards=4))
     registry.reshard("team", 2)
     time.sleep(0.2)
     submit(range(25, 37))

@@ -38,6 +38,7 @@ from worker.engine import kernels
 from worker.engine.blocks import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detok import IncrementalDetokenizer
+from worker.engine.fairness import TenantShare
 from worker.engine.disk_cache import Phase, quiet
 from worker.engine.inputs import PromptError, PromptTooLong, check_token_ids, encode_prompt
 from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
@@ -87,6 +88,7 @@ class Engine:
         self.num_blocks = config.num_blocks or num_blocks_for_memory(config.kv_cache_memory, self.info,
                                                                      config.block_size)
         self.pins: dict[str, list[int]] = {}  # name -> the pinned prefix's token ids, whole blocks
+        self.tenant_shares: dict[str, TenantShare] = {}  # weights and running caps (set_tenants)
         self._new_scheduler()
         self.ranks: Ranks | None = None
         if ranks > 1:
@@ -109,20 +111,22 @@ class Engine:
         self.pool = BlockPool(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         scheduler_config = msgspec.structs.replace(self.config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, self.pool)
+        self.scheduler.set_tenants(self.tenant_shares)
         for token_ids in self.pins.values():
             self.pool.pin_prefix(token_ids)
 
     # --- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, *, prompt: str | None = None, messages: list[dict] | None = None,
                     prompt_ids: list[int] | None = None, params: SamplingParams | None = None,
-                    lane: Lane | None = None, emitted_token_ids: list[int] = (), cache_salt: bytes = b"") -> Sequence:
+                    lane: Lane | None = None, emitted_token_ids: list[int] = (), tenant: str = "") -> Sequence:
         """Tokenize and queue a request. Raises PromptError (a ValueError) for a prompt that
         cannot be served; a request that can never fit comes back finished with an error.
         `emitted_token_ids` resumes a request that already produced those tokens elsewhere:
         they are recomputed with the prompt and count as output (max_tokens, penalties), and the
-        text the earlier attempt held back of them comes out with the next tokens. `cache_salt`:
-        the request shares prefix-cache blocks only with requests of the same salt (a tenant's),
-        and with the pinned prefixes, which are everyone's."""
+        text the earlier attempt held back of them comes out with the next tokens. `tenant`: whose
+        request it is, for fair shares between tenants (set_tenants), and its prefix-cache namespace:
+        it shares prefix-cache blocks only with the same tenant's requests, and with the pinned
+        prefixes, which are everyone's."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -139,7 +143,8 @@ class Engine:
         emitted_token_ids = check_token_ids(emitted_token_ids, self.info.vocab_size, "resumed token ids")
         if len(emitted_token_ids) > params.max_tokens:
             raise PromptError(f"{len(emitted_token_ids)} resumed token ids, more than max_tokens ({params.max_tokens})")
-        seq = Sequence(request_id, token_ids, params, eos_token_ids=self.info.eos_token_ids, cache_salt=cache_salt)
+        seq = Sequence(request_id, token_ids, params, eos_token_ids=self.info.eos_token_ids,
+                       cache_salt=tenant.encode(), tenant=tenant)
         seq.token_ids.extend(emitted_token_ids)
         detokenizer = None
         if self.tokenizer is not None:
@@ -147,6 +152,11 @@ class Engine:
                                                  emitted_ids=emitted_token_ids)
         self.requests[request_id] = _Request(seq, detokenizer, lane, reported=len(emitted_token_ids))
         return self.scheduler.add(seq, lane)
+
+    def set_tenants(self, shares: dict[str, TenantShare]) -> None:
+        """The tenants' weights and running caps (the registry's), for the scheduler's fair shares."""
+        self.tenant_shares = dict(shares)
+        self.scheduler.set_tenants(self.tenant_shares)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """End a request now (cancel, deadline); its final output comes with the next step."""

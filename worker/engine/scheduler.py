@@ -13,11 +13,12 @@ the sampled tokens.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 from producer.protocol import LANES, Lane, pick_lane
 from worker.engine.blocks import Block, BlockPool
+from worker.engine.fairness import TenantQueues, TenantShare, VirtualCounters
 from worker.engine.plan import StepPlan
 from worker.engine.scheduler_config import SchedulerConfig
 from worker.engine.sequence import FinishReason, Sequence, Status
@@ -30,7 +31,9 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.clock = clock
-        self.waiting: dict[Lane, deque[Sequence]] = {lane: deque() for lane in LANES}
+        self.waiting: dict[Lane, TenantQueues] = {lane: TenantQueues() for lane in LANES}
+        self.fair = VirtualCounters()
+        self.running_by_tenant = Counter()
         # running = decoding + prefilling; dicts used as ordered sets, oldest first
         self.running: dict[Sequence, None] = {}
         self.decoding: dict[Sequence, None] = {}
@@ -63,8 +66,13 @@ class Scheduler:
             return seq
         seq.length_limit = min(seq.num_prompt_tokens + seq.params.max_tokens, cfg.max_model_len)
         self.requests[seq.request_id] = seq
+        self.fair.arrive(seq.tenant)
         self.waiting[seq.lane].append(seq)
         return seq
+
+    def set_tenants(self, shares: Mapping[str, TenantShare]) -> None:
+        """The tenants' weights and running caps (from the registry); a tenant not named has weight 1."""
+        self.fair.shares = dict(shares)
 
     def _never_fits(self, seq: Sequence) -> str | None:
         length = seq.num_prompt_tokens + seq.params.max_tokens
@@ -96,10 +104,12 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish(reason, self.clock())
         del self.requests[seq.request_id]
+        self.fair.leave(seq.tenant)
 
     def _leave_running(self, seq: Sequence) -> None:
         self.pool.free_sequence(seq)
         del self.running[seq]
+        self.running_by_tenant[seq.tenant] -= 1
         self.decoding.pop(seq, None)
         self.prefilling[seq.lane].pop(seq, None)
 
@@ -160,6 +170,10 @@ class Scheduler:
 
     def _pick_victim(self, exclude: Sequence, lane: Lane | None = None) -> Sequence | None:
         candidates = [s for s in self.running if s is not exclude and lane in (None, s.lane)]
+        tenants = {s.tenant for s in candidates}
+        if len(tenants) > 1 and self.config.fairness == "vtc":  # the most-served tenant gives way first
+            most = max(tenants, key=self.fair.counter)
+            candidates = [s for s in candidates if s.tenant == most]
         # a fast-lane eviction always takes the newest normal-lane sequence
         policy = "newest" if lane is not None else self.config.victim_policy
         return pick_victim(candidates, policy, self.last_victim)
@@ -193,30 +207,54 @@ class Scheduler:
             if num_tokens > 0:
                 self.pool.allocate(seq, plan.scheduled.get(seq, 0) + num_tokens)
                 plan.add(seq, num_tokens)
-        # memory is short in a step that preempted: an admission would only be evicted again
-        if may_admit and not plan.preempted:
-            self._admit(lane, stop_at, plan)
+        # memory is short in a step that preempted: an admission would only be evicted again, unless
+        # its tenant is under-served, whose admissions evict the most-served tenant's sequences
+        if may_admit:
+            self._admit(lane, stop_at, plan, under_served_only=bool(plan.preempted))
 
     def _tokens_that_fit(self, seq: Sequence, plan: StepPlan) -> int:
         slots = (len(seq.block_table) + self.pool.num_free_blocks) * self.pool.block_size
         return slots - seq.num_computed_tokens - plan.scheduled.get(seq, 0)
 
-    def _admit(self, lane: Lane, stop_at: int, plan: StepPlan) -> None:
-        queue, skipped = self.waiting[lane], []
-        while queue and plan.num_tokens < stop_at and self._has_seat():
-            seq = queue.popleft()
+    def _admit(self, lane: Lane, stop_at: int, plan: StepPlan, under_served_only: bool = False) -> None:
+        queues, skipped = self.waiting[lane], []
+        admitted = Counter()  # tokens admitted this step, by tenant: not charged to their counters yet
+        while queues and plan.num_tokens < stop_at and self._has_seat():
+            tenant = self._next_tenant(queues, admitted, under_served_only)
+            if tenant is None:
+                break  # every tenant with a request waiting is at its running cap
+            seq = queues.pop(tenant)
             if self._try_admit(seq, stop_at - plan.num_tokens, plan):
+                admitted[tenant] += plan.scheduled[seq]
                 continue
             skipped.append(seq)  # head-of-line: it does not fit now, smaller ones may
             self._note_refusal(seq)
             if seq in self.aged or len(skipped) > self.config.max_admission_skips:
                 break  # nobody in its lane jumps a request that has waited too long
-        queue.extendleft(reversed(skipped))
+        for seq in reversed(skipped):
+            queues.appendleft(seq)
         self.admission_refused = self.admission_refused or bool(skipped)
+
+    def _next_tenant(self, queues: TenantQueues, admitted: Counter, under_served_only: bool = False) -> str | None:
+        """Whose waiting request is admitted next (fairness.py): the least-served tenant's, or with
+        "fifo" the earliest-arrived head's; never a tenant's at its running cap; with
+        `under_served_only`, only a tenant that may evict another's sequences to fit."""
+        tenants = [tenant for tenant in queues.tenants() if self._tenant_has_seat(tenant)
+                   and not (under_served_only and self._fairness_victim(tenant) is None)]
+        if len(tenants) <= 1:
+            return tenants[0] if tenants else None
+        if self.config.fairness == "fifo":
+            return min(tenants, key=lambda tenant: queues.head(tenant).arrival_time)
+        return min(tenants, key=lambda tenant: (self.fair.counter(tenant, admitted[tenant]),
+                                                queues.head(tenant).arrival_time))
 
     def _has_seat(self) -> bool:
         cap = self.config.max_num_seqs
         return cap is None or len(self.running) < cap
+
+    def _tenant_has_seat(self, tenant: str) -> bool:
+        cap = self.fair.share(tenant).max_running
+        return cap is None or self.running_by_tenant[tenant] < cap
 
     def _try_admit(self, seq: Sequence, room: int, plan: StepPlan) -> bool:
         pool = self.pool
@@ -224,7 +262,8 @@ class Scheduler:
         num_cached = len(hits) * pool.block_size
         num_tokens = min(len(seq.token_ids) - num_cached, room)
         if pool.num_free_blocks - pool.admission_cost(seq, hits, num_tokens) < self._admission_floor(seq):
-            if not self._evict_for_fast_lane(seq, hits, num_tokens, plan):
+            if not (self._evict_for_fast_lane(seq, hits, num_tokens, plan)
+                    or self._evict_for_fairness(seq, hits, num_tokens, plan)):
                 return False
         pool.take_prefix(seq, hits)
         seq.num_computed_tokens = num_cached
@@ -236,6 +275,7 @@ class Scheduler:
                                f"admission check ({pool.num_free_blocks} free blocks)")
         seq.status = Status.RUNNING
         self.running[seq] = None
+        self.running_by_tenant[seq.tenant] += 1
         self.prefilling[seq.lane][seq] = None
         self.aged.pop(seq, None)
         self.refused_since.pop(seq, None)
@@ -245,16 +285,28 @@ class Scheduler:
     def _admission_floor(self, seq: Sequence) -> float:
         """Free blocks an admission must leave behind."""
         cfg = self.config
-        if seq in self.aged or not self.running:
+        if self._starving(seq) or not self.running:
             return 0  # an idle pool, or a request that waited too long, takes what there is
         share = cfg.watermark + (cfg.cooldown_watermark if self.num_steps < self.cooldown_until else 0)
         if seq.lane == "normal" and cfg.fast_lane_protection == "reserve":
             share += cfg.fast_lane_reserve
         # the other lane's oldest aged request keeps the room for its first chunk, so memory
         # freed by finishing sequences piles up for it instead of going to newcomers
-        aged = next((s for s in self.aged if s.lane != seq.lane), None)
+        aged = next((s for s in self.aged if s.lane != seq.lane and self._starving(s)), None)
         held = self.pool.blocks_for(min(len(aged.token_ids), cfg.token_budget)) if aged else 0
         return share * self.pool.num_blocks + held
+
+    def _starving(self, seq: Sequence) -> bool:
+        """It waited past its patience (aged) and it is its tenant's turn: the least-served tenant of
+        those waiting in its lane (fairness.py). A request waiting for its tenant's turn is not
+        starving: were it let past the watermark, a flooding tenant's many aged requests would take
+        the memory that frees up before a quieter tenant's turn came."""
+        if seq not in self.aged:
+            return False
+        if self.config.fairness == "fifo":
+            return True
+        waiting = self.waiting[seq.lane].tenants()
+        return self.fair.counter(seq.tenant) <= min(map(self.fair.counter, waiting), default=0.0)
 
     def _evict_for_fast_lane(self, seq: Sequence, hits: list[Block], num_tokens: int, plan: StepPlan) -> bool:
         """A fast request that has waited fast_lane_max_wait_steps steps since its first refusal
@@ -271,6 +323,32 @@ class Scheduler:
                 return False
             self._preempt(victim, plan)
         return True
+
+    def _evict_for_fairness(self, seq: Sequence, hits: list[Block], num_tokens: int, plan: StepPlan) -> bool:
+        """A request of an under-served tenant (its counter behind a running tenant's by more than a
+        step's budget) evicts that most-served tenant's newest sequences until it fits: a tenant
+        that floods the pool cannot keep a quieter one waiting for memory (fairness.py). The margin
+        keeps two even tenants from evicting each other back and forth."""
+        if self._fairness_victim(seq.tenant) is None:
+            return False
+        while self.pool.num_free_blocks < self.pool.admission_cost(seq, hits, num_tokens):
+            victim = self._fairness_victim(seq.tenant)
+            if victim is None:
+                return False
+            self._preempt(victim, plan)
+        return True
+
+    def _fairness_victim(self, tenant: str) -> Sequence | None:
+        """The newest running sequence of the most-served running tenant, if that tenant is ahead of
+        `tenant` by more than a step's budget (vtc only)."""
+        if self.config.fairness != "vtc":
+            return None
+        ahead = self.fair.counter(tenant) + self.config.token_budget
+        tenants = {seq.tenant for seq in self.running}
+        most = max(tenants, key=self.fair.counter, default=None)
+        if most is None or self.fair.counter(most) <= ahead:
+            return None
+        return pick_victim([seq for seq in self.running if seq.tenant == most], "newest", self.last_victim)
 
     def _steps_waited(self, seq: Sequence) -> int:
         """Whole steps since the step of the request's first refused admission (0: none yet)."""
@@ -302,14 +380,15 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> list[Sequence]:
         """Apply a step's results; returns the sequences that finished."""
         # Runs for every sequence of every step: names are bound locally on purpose.
-        now, running, commit, decoding, token_of = self.clock(), Status.RUNNING, self.pool.commit, \
-            self.decoding, sampled.get
+        now, running, commit, decoding, token_of, charge = self.clock(), Status.RUNNING, self.pool.commit, \
+            self.decoding, sampled.get, self.fair.charge
         finished = []
         for seq, num_tokens in plan.scheduled.items():
             if seq.status is not running:
                 continue  # ended while the step ran
             seq.num_computed_tokens += num_tokens
             commit(seq, num_tokens)
+            charge(seq.tenant, num_tokens)
             token = token_of(seq)
             if token is None:
                 continue  # a prefill chunk that does not reach the end yet

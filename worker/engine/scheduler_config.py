@@ -9,6 +9,7 @@ import msgspec
 from producer.protocol import FAST_MAX_TOKENS, FAST_PROMPT_TOKENS
 
 Policy = Literal["continuous", "static"]
+Fairness = Literal["vtc", "fifo"]
 VictimPolicy = Literal["cheapest", "newest", "most_blocks"]
 FastLaneProtection = Literal["reserve", "preempt", "none"]
 
@@ -42,6 +43,10 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # passes in a step: its share, then what the other lane left)
     max_admission_skips: int = 32
     policy: Policy = "continuous"
+    # Between tenants inside a lane (fairness.py): "vtc" admits the least-served tenant's next
+    # request (virtual token counters, weighted by the registry) and preempts the most-served
+    # tenant's; "fifo" admits by arrival, whoever's.
+    fairness: Fairness = "vtc"
 
     def __post_init__(self) -> None:
         checks = [

@@ -38,6 +38,7 @@ class Sequence:
     lane: Lane = "normal"
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: bytes = b""  # its prefix-cache namespace: blocks are shared only with the same salt (blocks.py)
+    tenant: str = ""  # whose request it is: fair shares between tenants (fairness.py)
     arrival_time: float = field(default_factory=time.monotonic)
 
     token_ids: list[int] = field(init=False)  # prompt + output, appended as sampled

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from producer.protocol import Lane, SamplingParams
 from worker.engine.blocks import BlockPool, BlockStats
+from worker.engine.fairness import TenantShare
 from worker.engine.plan import StepPlan
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_config import SchedulerConfig
@@ -74,6 +75,7 @@ class SimRequest:
     params: SamplingParams
     lane: Lane | None = None
     request_id: str = ""
+    tenant: str = ""
 
 
 @dataclass
@@ -94,12 +96,14 @@ def simulate(config: SchedulerConfig, num_blocks: int, block_size: int,
              requests: Iterable[SimRequest], model: FakeModel | None = None,
              cost: CostModel | None = None, on_step: Callable[[Scheduler, StepPlan], None] | None = None,
              max_steps: int = 1_000_000, enable_prefix_caching: bool = True,
-             sample_kv_every: int = 0) -> SimResult:
-    """Run requests (sorted by arrival) to completion on simulated time."""
+             sample_kv_every: int = 0, tenants: dict[str, TenantShare] | None = None) -> SimResult:
+    """Run requests (sorted by arrival) to completion on simulated time; `tenants`: their weights
+    and running caps, as a worker has them from the registry."""
     model, cost = model or FakeModel(), cost or CostModel()
     now = [0.0]
     scheduler = Scheduler(config, BlockPool(num_blocks, block_size, enable_prefix_caching),
                           clock=lambda: now[0])
+    scheduler.set_tenants(tenants or {})
     pending = sorted(requests, key=lambda r: r.arrival_s)
     result = SimResult(sequences=[])
     next_request = 0
@@ -109,7 +113,8 @@ def simulate(config: SchedulerConfig, num_blocks: int, block_size: int,
         while next_request < len(pending) and pending[next_request].arrival_s <= now[0]:
             request = pending[next_request]
             seq = Sequence(request.request_id or f"r{next_request}", request.prompt_token_ids,
-                           request.params, eos_token_ids=model.eos_token_ids, arrival_time=request.arrival_s)
+                           request.params, eos_token_ids=model.eos_token_ids, arrival_time=request.arrival_s,
+                           tenant=request.tenant)
             result.sequences.append(scheduler.add(seq, request.lane))
             next_request += 1
         started = time.perf_counter()
