@@ -10,6 +10,7 @@ that the worker does not keep fresh (claims.py), or a peer would reclaim it from
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from producer.connect import is_cluster
 from producer.protocol import (FIELD, GROUP, LANES, MAX_ENTRY_BYTES, REQUEST_ID, Keys, Request, decode_request,
                                ensure_group)
 from worker.engine.engine import Engine
+from worker.fair_intake import IntakeShares
 from worker.subscription import Subscription
 from worker.tenants import LaneStreams
 
@@ -107,6 +109,12 @@ class Intake:
         self.streams, self.replay_ttl = streams, replay_ttl
         self.cluster = is_cluster(client)
         self.enqueued = Subscription(client)  # on a cluster: the producers' nudges (Keys.enqueued)
+        self.shares = {lane: IntakeShares() for lane in LANES}  # between tenants, per lane (fair_intake.py)
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """The tenants' weights for the intake's shares (none: equal shares)."""
+        for shares in self.shares.values():
+            shares.weights = dict(weights)
 
     def ensure_groups(self, names: Iterable[str] | None = None) -> None:
         """The workers' group on these lane streams (by default every one served)."""
@@ -116,39 +124,46 @@ class Intake:
             self.enqueued.add([stream.keys.enqueued for stream in self.streams.by_name.values()])
 
     def read(self, room: int, block_ms: int | None = None) -> list[Entry]:
-        """About `room` new entries, fast lanes first: one read per lane over every tenant's stream
-        of it, each asked for its share of the room. With `block_ms`, one read of every stream that
-        waits that long for the first entry (only when the engine is idle: the wait would stall
-        running requests); it may take up to a share of each stream. On a cluster see `_read_each`."""
+        """About `room` new entries per lane, fast lanes first, each tenant asked for its weighted
+        share (fair_intake.py): one XREADGROUP per stream, all in one pipeline (on a cluster a
+        round trip per node, since an XREADGROUP reads one slot's streams). With `block_ms` (only
+        when the engine is idle: the wait would stall running requests) on one node, one read of
+        every stream that waits that long for the first entry, taking up to a share of each; on a
+        cluster, where no read blocks across nodes, an idle worker that finds nothing waits up to
+        block_ms for a producer's enqueue nudge and reads again at once if one came: so it polls at
+        most 1000 / block_ms times a second (once with the defaults) while nothing comes."""
         if room <= 0:
             return []
-        if self.cluster:
-            return self._read_each(room, block_ms)
-        if block_ms is not None:
+        if block_ms is not None and not self.cluster:
             names = self.streams.names
             return self._entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
                                                           count=_share(room, len(names)), block=block_ms))
-        entries: list[Entry] = []
-        for lane in LANES:
-            names = self.streams.of_lane(lane)
-            if len(entries) < room:
-                entries += self._entries(self.client.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
-                                                                count=_share(room - len(entries), len(names))))
+        entries = self._read_shares(room)
+        if not entries and block_ms is not None and self.enqueued.messages(timeout=block_ms / 1000):
+            return self._read_shares(room)
         return entries
 
-    def _read_each(self, room: int, block_ms: int | None) -> list[Entry]:
-        """On a cluster an XREADGROUP reads streams of one slot, and each stream has its own: one
-        read per stream, all in one pipeline (a round trip per node), which cannot block. An idle
-        worker (`block_ms`) that finds nothing waits up to block_ms for a producer's enqueue nudge
-        and reads again at once if one came: so it polls at most 1000 / block_ms times a second
-        (once with the defaults) while no request comes, and takes one as soon as it is nudged."""
-        names = self.streams.names
+    def _read_shares(self, room: int) -> list[Entry]:
         pipe = self.client.pipeline(transaction=False)
-        for name in names:
-            pipe.xreadgroup(GROUP, self.consumer, {name: ">"}, count=_share(room, len(names)))
-        entries = [entry for reply in pipe.execute() for entry in self._entries(reply)]
-        if not entries and block_ms is not None and self.enqueued.messages(timeout=block_ms / 1000):
-            return self._read_each(room, None)
+        asked = []  # (lane, the tenants' counts, each read's tenant) in the pipeline's order
+        for lane in LANES:
+            streams = self.streams.of_lane(lane)
+            counts = self.shares[lane].counts(list(streams), room)
+            readers = []
+            for tenant, names in streams.items():
+                for name in names:  # its shards share its count
+                    pipe.xreadgroup(GROUP, self.consumer, {name: ">"}, count=_share(counts[tenant], len(names)))
+                    readers.append(tenant)
+            asked.append((lane, counts, readers))
+        replies = iter(pipe.execute())
+        entries: list[Entry] = []
+        for lane, counts, readers in asked:
+            got = Counter()
+            for tenant in readers:
+                read = self._entries(next(replies))
+                got[tenant] += len(read)
+                entries += read
+            self.shares[lane].took(counts, got)
         return entries
 
     @staticmethod

@@ -159,6 +159,8 @@ class Worker:
         new = self.streams.serve({DEFAULT_TENANT: 1} | {name: entry.max_shards for name, entry in registered.items()})
         self.engine.set_tenants({name: TenantShare(entry.weight, entry.max_running)
                                  for name, entry in registered.items()})
+        fair = self.config.engine.scheduler.fairness == "vtc"
+        self.intake.set_weights({name: entry.weight for name, entry in registered.items()} if fair else {})
         if new:
             self.intake.ensure_groups(new)
             self.log.info("tenants.serving", tenants=self.streams.tenants)

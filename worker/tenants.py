@@ -72,8 +72,13 @@ class LaneStreams:
     def names(self) -> list[str]:
         return list(self.by_name)
 
-    def of_lane(self, lane: Lane) -> list[str]:
-        return [name for name, stream in self.by_name.items() if stream.lane == lane]
+    def of_lane(self, lane: Lane) -> dict[str, list[str]]:
+        """Tenant -> its streams of the lane (its shards)."""
+        streams: dict[str, list[str]] = {}
+        for name, stream in self.by_name.items():
+            if stream.lane == lane:
+                streams.setdefault(stream.tenant, []).append(name)
+        return streams
 
     def __getitem__(self, name: str) -> LaneStream:
         return self.by_name[name]

@@ -71,12 +71,15 @@ def intake(any_client):
     return intake
 
 
-def test_reads_take_the_fast_lane_first_and_no_more_than_the_room(intake, any_client):
+def test_reads_take_each_lane_up_to_the_room_fast_lane_first_in_one_round_trip(intake, any_client):
     normal = [submit(any_client, Request(id=f"n{i}", prompt_ids=[5])) for i in range(3)]
     fast = [submit(any_client, Request(id=f"f{i}", prompt_ids=[5]), "fast") for i in range(2)]
     assert intake.read(0) == []
-    assert [e.entry_id for e in intake.read(3)] == fast + normal[:1]
-    assert [e.entry_id for e in intake.read(5, block_ms=10)] == normal[1:]
+    pipelines, pipeline = [], intake.client.pipeline
+    intake.client.pipeline = lambda *args, **kwargs: pipelines.append(kwargs) or pipeline(*args, **kwargs)
+    assert [e.entry_id for e in intake.read(2)] == fast + normal[:2]
+    assert len(pipelines) == 1
+    assert [e.entry_id for e in intake.read(5, block_ms=10)] == normal[2:]
     assert intake.read(5, block_ms=10) == []
 
 
