@@ -381,18 +381,22 @@ class Smoke:
         """compose's cluster profile: six Redis nodes formed by redis-cluster-init (its replicas
         linked as `replicator`), a tenant registered on every node by the tools service in cluster
         mode, and a request through gateway-cluster with its key, answered by worker-cluster."""
-        self.compose("--profile", "cluster", "up", "-d")
-        init = self.podman("ps", "-a", "--filter", f"label=io.podman.compose.project={PROJECT}", "--filter",
-                           "label=com.docker.compose.service=redis-cluster-init", "--format", "{{.Names}}").stdout.split()
+        # In stages, as compose's depends_on orders them (podman-compose cannot wait on a condition)
+        nodes = [f"redis-node-{i}" for i in range(6)]
+        self.compose("--profile", "cluster", "up", "-d", "--no-deps", *nodes)
+        self.healthy(self.of_services(nodes))
+        self.compose("--profile", "cluster", "up", "-d", "--no-deps", "redis-cluster-init")
+        init = self.of_services(["redis-cluster-init"], running=False)
         status = self.podman("wait", *init).stdout.split()
         formed = self.podman("logs", *init)
         if status != ["0"]:
             raise SmokeError(f"redis-cluster-init exited {status}: {formed.stdout[-500:]}{formed.stderr[-500:]}")
-        self.healthy([name for name in self.containers() if self.inspect(name)["Config"].get("Healthcheck")])
+        self.compose("--profile", "cluster", "up", "-d", "--no-deps", "worker-cluster", "gateway-cluster")
+        self.healthy(self.of_services(["worker-cluster", "gateway-cluster"]))
         added = self.compose("--profile", "tools", "run", "--rm", "-e", "STREAMBATCH_REDIS_URL="
                              "redis://operator@redis-node-0:6379/0", "-e", "STREAMBATCH_REDIS_CLUSTER=1", "tools",
                              "tenant", "add", f"{TENANT}-cluster", "--password-file", f"/tenants/{TENANT}-cluster.password")
-        api_key = added.stdout.strip().splitlines()[-1]
+        api_key = next((line for line in added.stdout.split() if line.startswith(API_KEY_PREFIX)), "")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.cluster_gateway_port}/v1", api_key=api_key,
                                max_retries=0)
         try:
@@ -408,10 +412,10 @@ class Smoke:
                      for name in self.containers() if "redis-node" in name)
         if linked != 3:
             raise SmokeError(f"{linked} replicas linked to their masters, not 3")
-        self.figures["cluster"] = {"formed": formed.stdout.strip().splitlines()[-1], "replicas_linked": linked,
-                                   "answer": reply.choices[0].message.content}
-        self.console.print(f"  {formed.stdout.strip().splitlines()[-1]}; 3 replicas linked as replicator; the "
-                           "cluster's gateway gave the single node's answer")
+        said = re.sub(r"\x1b\[[0-9;]*m", "", formed.stdout).strip().splitlines()[-1]  # redis-cli's colours
+        self.figures["cluster"] = {"formed": said, "replicas_linked": linked, "answer": reply.choices[0].message.content}
+        self.console.print(f"  {said}; 3 replicas linked as replicator; the cluster's gateway gave the single "
+                           "node's answer")
 
     def kill_mid_generation(self) -> str:
         """-> the container killed."""
@@ -580,6 +584,13 @@ class Smoke:
 
     def podman(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return self.call(["podman", *args], check=check)
+
+    def of_services(self, services: list[str], running: bool = True) -> list[str]:
+        """The containers of these compose services (with `running=False`, those that ended too)."""
+        listed = self.podman("ps", *([] if running else ["-a"]), "--filter",
+                             f"label=io.podman.compose.project={PROJECT}", "--format",
+                             "{{.Names}} {{index .Labels \"com.docker.compose.service\"}}").stdout.splitlines()
+        return [line.split()[0] for line in listed if line.split()[1:] and line.split()[1] in services]
 
     def containers(self) -> list[str]:
         return self.podman("ps", "--filter", f"label=io.podman.compose.project={PROJECT}",
