@@ -154,6 +154,13 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--max-backlog", type=int, default=10_000, help="per lane (default %(default)s)")
     add.add_argument("--shards", type=int, default=1,
                      help=f"intake streams per lane, to spread over a cluster's nodes (1-{MAX_SHARDS}; default 1)")
+    add.add_argument("--max-running", type=int, help="its sequences one worker runs at once (default: no limit)")
+    change = actions.add_parser("set", help="change a tenant's weight or quotas (workers apply them within a heartbeat)")
+    change.add_argument("name", type=_tenant)
+    change.add_argument("--weight", type=float, help="its share of the fleet against the others'")
+    change.add_argument("--max-backlog", type=int, help="requests waiting or running per lane")
+    change.add_argument("--max-running", type=int, help="its sequences one worker runs at once")
+    change.set_defaults(run=_tenant_set)
     rotate = actions.add_parser("rotate-key", help="new Redis password and API key; the old ones stop at once")
     rotate.add_argument("name", type=_tenant)
     for issuing, adding in ((add, True), (rotate, False)):
@@ -328,7 +335,7 @@ def _tenant_issue(producer: Producer, args, errors: Console) -> int:
         with os.fdopen(descriptor, "w") as out:
             if adding:
                 issued = registry.add(args.name, weight=args.weight, max_backlog=args.max_backlog,
-                                      shards=args.shards)
+                                      shards=args.shards, max_running=args.max_running)
             else:
                 issued = registry.rotate_key(args.name)
             out.write(issued.password + "\n")
@@ -346,6 +353,22 @@ def _tenant_issue(producer: Producer, args, errors: Console) -> int:
                  "  gateway API key: printed above, once; only its SHA-256 is kept", soft_wrap=True)  # paths whole
     if not issued.persisted:
         errors.print("[yellow]warning:[/] this Redis has no ACL file: the user lasts until it restarts")
+    return 0
+
+
+def _tenant_set(producer: Producer, args, errors: Console) -> int:
+    changes = {name: value for name in ("weight", "max_backlog", "max_running")
+               if (value := getattr(args, name)) is not None}
+    if not changes:
+        errors.print("[red]error:[/] nothing to change: give --weight, --max-backlog or --max-running")
+        return 1
+    try:
+        entry = TenantRegistry(producer.redis, producer.keys).update(args.name, **changes)
+    except ValueError as error:
+        errors.print(f"[red]error:[/] {escape(str(error))}")
+        return 1
+    errors.print(f"tenant {args.name}: weight {entry.weight:g}, max backlog {entry.max_backlog}, max running "
+                 f"{entry.max_running or 'no limit'} (workers apply it within a heartbeat)")
     return 0
 
 
@@ -378,7 +401,7 @@ def _tenant_list(producer: Producer, args, errors: Console) -> int:
     if args.json:
         print(msgspec.json.encode([{"tenant": entry.tenant, "weight": entry.entry.weight,
                                     "max_backlog": entry.entry.max_backlog, "shards": entry.entry.shards,
-                                    "user": entry.has_user}
+                                    "max_running": entry.entry.max_running, "user": entry.has_user}
                                    for entry in registered]).decode())
         return 0
     table = Table("tenant", "weight", "max backlog", "shards", "Redis user", title="tenants")

@@ -60,7 +60,12 @@ def test_add_rotate_list_remove(secured, tmp_path, capsys):
 
     assert main(flags + ["tenant", "list", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == [{"tenant": "team-a", "weight": 2.0, "max_backlog": 10_000,
-                                                   "shards": 1, "user": True}]
+                                                   "shards": 1, "max_running": None, "user": True}]
+    assert main(flags + ["tenant", "set", "team-a", "--weight", "3", "--max-running", "4"]) == 0
+    changed = decode_tenant(operator.hget(KEYS.tenants, "team-a"))
+    assert (changed.weight, changed.max_running, changed.max_backlog) == (3.0, 4, 10_000)
+    assert main(flags + ["tenant", "set", "team-a", "--weight", "0"]) == 1
+    assert "weight must be in (0, 1000]" in capsys.readouterr().err
     assert main(flags + ["tenant", "reshard", "team-a", "4"]) == 0
     assert main(flags + ["tenant", "reshard", "team-a", "2"]) == 0
     assert "workers read 4" in capsys.readouterr().err
