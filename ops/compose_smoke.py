@@ -65,7 +65,7 @@ from producer.acl import GATEWAY_USER, OPERATOR_USER, REPLICATOR_USER, SERVICE_U
 from producer.protocol import FIELD, GROUP, DoneEvent, Keys, SamplingParams, TokenEvent, decode_event, read_password
 from producer.tenants import API_KEY_PREFIX
 from worker.heartbeat import worker_of
-from worker.intake import usable_id
+from worker.entries import usable_id
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "ops" / "compose"

@@ -49,9 +49,9 @@ import redis
 
 from producer.connect import UNREACHABLE
 from producer.protocol import FIELD, GROUP, TERMINAL, Event, Keys, Lane, Submission, TokenEvent, decode_event, encode
+from worker.entries import Entry
 from worker.flight import Flight
 from worker.heartbeat import beating, worker_of
-from worker.intake import Entry
 from worker.scripts import Batch, Script
 from worker.tenants import LaneStreams
 

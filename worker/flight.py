@@ -10,7 +10,7 @@ from structlog.typing import BindableLogger
 
 from producer.protocol import Keys
 from worker.engine.sequence import Sequence
-from worker.intake import Entry
+from worker.entries import Entry
 
 
 def engine_id(tenant: str, request_id: str) -> str:

@@ -1,5 +1,6 @@
-"""Lane streams -> requests: the consumer group, a read that takes only what the engine can
-admit soon, strict decoding, acks and dead letters.
+"""Lane streams -> requests to start: one pass of read, decode, claim, and ack or dead-letter
+(`take`, or `admit` for entries reclaimed by housekeeping), behind one call; the consumer group,
+a read that takes only what the engine can admit soon, acks and dead letters.
 
 Backpressure rule: read nothing while free KV blocks are under the scheduler's watermark
 (a full pool admits nobody), otherwise read until `intake_ahead` requests wait in the
@@ -11,86 +12,22 @@ that the worker does not keep fresh (claims.py), or a peer would reclaim it from
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import msgspec
 
 from producer.connect import is_cluster
-from producer.protocol import (FIELD, GROUP, LANES, MAX_ENTRY_BYTES, REQUEST_ID, Keys, Request, decode_request,
-                               ensure_group)
+from producer.protocol import GROUP, LANES, ErrorEvent, Keys, Request, ensure_group
+from worker.claims import Claim, Claims
 from worker.engine.engine import Engine
+from worker.entries import Entry, Rejected, decode_entry
 from worker.fair_intake import IntakeShares
+from worker.flight import Flight, engine_id
+from worker.metrics import Metrics
 from worker.subscription import Subscription
 from worker.tenants import LaneStreams
 
 DEAD_LETTERS_MAXLEN = 100_000  # approximate: a flood of garbage must not grow Redis without bound
 DEAD_LETTER_ENTRY_BYTES = 4096  # of each dead entry, kept for whoever looks into why it died
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One entry of a lane stream, as read or reclaimed."""
-
-    stream: str
-    entry_id: str
-    fields: dict[bytes, bytes]
-    deliveries: int = 1
-
-    @property
-    def owner(self) -> str:
-        """The entry as the attempt key names its owner (claims.py)."""
-        return f"{self.stream} {self.entry_id}"
-
-    @property
-    def payload(self) -> bytes:
-        """The encoded request; the whole entry, re-encoded, when its one field is missing."""
-        return self.fields[FIELD] if FIELD in self.fields else msgspec.msgpack.encode(self.fields)
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """An entry that is not a valid request; `request_id` when one could be read from it."""
-
-    reason: str
-    request_id: str | None
-
-
-def decode_entry(entry: Entry) -> Request | Rejected:
-    data = entry.fields.get(FIELD)
-    if data is None:
-        return Rejected(f"entry has no {FIELD.decode()!r} field", None)
-    if len(data) > MAX_ENTRY_BYTES:  # refused unread: its id, if usable, is found without decoding the rest
-        return Rejected(f"invalid request: {len(data)} bytes, more than {MAX_ENTRY_BYTES}", usable_id(data))
-    try:
-        return decode_request(data)
-    except (msgspec.DecodeError, RecursionError) as error:  # ValidationError included: types, ranges, id, lane
-        return Rejected(f"invalid request: {error}", usable_id(data))
-
-
-class _IdOnly(msgspec.Struct):
-    """A request's id alone: decoding skips the other fields, whatever is wrong with them."""
-
-    id: Any = None
-
-
-def usable_id(data: bytes) -> str | None:
-    """The id of an entry that failed strict decoding, if it is a map with a well-formed id."""
-    try:
-        request_id = msgspec.msgpack.decode(data, type=_IdOnly).id
-    except (msgspec.DecodeError, RecursionError):  # garbage, or nesting deep enough to exhaust the stack
-        return None
-    return request_id if isinstance(request_id, str) and REQUEST_ID.fullmatch(request_id) else None
-
-
-def engine_prompt(request: Request) -> dict[str, Any]:
-    """The request's one prompt, as `Engine.add_request` takes it."""
-    if request.prompt is not None:
-        return {"prompt": request.prompt}
-    if request.messages is not None:
-        return {"messages": [msgspec.structs.asdict(message) for message in request.messages]}
-    return {"prompt_ids": request.prompt_ids}
 
 
 def intake_room(engine: Engine, ahead: int) -> int:
@@ -101,12 +38,25 @@ def intake_room(engine: Engine, ahead: int) -> int:
     return max(0, ahead - scheduler.num_waiting)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A request to start: the entry that carried it, what that decoded to (a Rejected one starts
+    only to end with its error event), and its claim."""
+
+    request_id: str
+    entry: Entry
+    request: Request | Rejected
+    claim: Claim
+
+
 class Intake:
-    def __init__(self, client, blocking, keys: Keys, streams: LaneStreams, consumer: str, replay_ttl: int) -> None:
+    def __init__(self, client, blocking, keys: Keys, streams: LaneStreams, consumer: str, replay_ttl: int,
+                 claims: Claims, metrics: Metrics, log) -> None:
         """`blocking` is a connection whose reply timeout allows for the BLOCK reads' wait (on one
         node; on a cluster, where no read blocks, the client itself)."""
         self.client, self.blocking, self.keys, self.consumer = client, blocking, keys, consumer
         self.streams, self.replay_ttl = streams, replay_ttl
+        self.claims, self.metrics, self.log = claims, metrics, log
         self.cluster = is_cluster(client)
         self.enqueued = Subscription(client)  # on a cluster: the producers' nudges (Keys.enqueued)
         self.shares = {lane: IntakeShares() for lane in LANES}  # between tenants, per lane (fair_intake.py)
@@ -122,6 +72,69 @@ class Intake:
             ensure_group(self.client, name)
         if self.cluster:
             self.enqueued.add([stream.keys.enqueued for stream in self.streams.by_name.values()])
+
+    def take(self, room: int, block_ms: int | None, flights: Mapping[str, Flight],
+             in_engine: Container[str]) -> list[Admission]:
+        """One pass: read (`read`), then `admit` what came."""
+        return self.admit(self.read(room, block_ms), flights, in_engine)
+
+    def admit(self, entries: list[Entry], flights: Mapping[str, Flight], in_engine: Container[str]) -> list[Admission]:
+        """-> the requests among `entries` to start, claimed; each one's tenant is its stream's. The
+        rest is settled here: an entry with no usable id, or a second one for an id in progress or
+        owned by another entry, is dead-lettered; a repeat of a finished request is acked (its
+        result stands); one whose keys cannot be resumed from is dead-lettered with its consumers
+        told why. Left alone (pending, for a later reclaim): our own entry reclaimed by ourselves
+        after a slow turn (`flights` holds it), and one whose dropped attempt has yet to leave the
+        engine (`in_engine`, by engine id)."""
+        accepted: dict[str, tuple[str, Entry, Request | Rejected]] = {}  # by engine id
+        dead: list[tuple[Entry, str, str | None]] = []
+        for entry in entries:
+            request = decode_entry(entry)
+            request_id = request.id if isinstance(request, Request) else request.request_id
+            if request_id is None:
+                dead.append((entry, request.reason, None))
+                continue
+            name = engine_id(self.streams[entry.stream].tenant, request_id)
+            held = flights.get(name)
+            if held is not None and (held.entry.stream, held.entry.entry_id) == (entry.stream, entry.entry_id):
+                continue  # our own entry, reclaimed by ourselves after a slow turn: still ours
+            elif held is not None or name in accepted:
+                dead.append((entry, "duplicate: a request with this id is in progress", request_id))
+            elif name in in_engine:
+                continue  # a dropped attempt has yet to leave the engine: left pending for a later reclaim
+            else:
+                accepted[name] = (request_id, entry, request)
+        if dead:
+            self.dead_letter(dead)
+        admitted = []
+        claims = self.claims.claim([(request_id, entry) for request_id, entry, _ in accepted.values()])
+        for (request_id, entry, request), claim in zip(accepted.values(), claims):
+            stream = self.streams[entry.stream]
+            fence = stream.keys.attempt(request_id)
+            if claim.taken and claim.terminal is not None:  # a repeat of a finished request: its result stands
+                self.ack([entry])
+            elif claim.taken:  # another entry owns the id: refused here, the owner untouched
+                self.dead_letter([(entry, "duplicate: this id belongs to another entry of the tenant", request_id)])
+            elif claim.problem:
+                self.claims.reject(stream.keys, request_id, stream.lane, claim.problem)  # ends its consumers' streams
+                self.dead_letter([(entry, claim.problem, request_id)], fences=[fence])
+            elif isinstance(claim.terminal, ErrorEvent):  # refused on an earlier attempt, whose ack was lost
+                self.dead_letter([(entry, claim.terminal.message, request_id)], fences=[fence])
+            elif claim.terminal is not None:  # finished on an earlier attempt, whose ack was lost
+                self.ack([entry], fences=[fence])
+            else:
+                admitted.append(Admission(request_id, entry, request, claim))
+        return admitted
+
+    def dead_letter(self, dead: list[tuple[Entry, str, str | None]], fences: Iterable[str] = ()) -> None:
+        """Dead-letter entries that get no event here (no usable id, no way to number one, their id
+        another entry's, or their error event written already); `fences`: the attempt keys of the
+        requests among them that this worker claimed."""
+        for entry, reason, request_id in dead:
+            self.log.warning("entry.rejected", tenant=self.streams[entry.stream].tenant, entry_id=entry.entry_id,
+                             request_id=request_id, reason=reason)
+        self.ack((), dead, fences)
+        self.metrics.dead_letters.inc(len(dead))
 
     def read(self, room: int, block_ms: int | None = None) -> list[Entry]:
         """About `room` new entries per lane, fast lanes first, each tenant asked for its weighted

@@ -35,18 +35,19 @@ import structlog
 from redis.exceptions import RedisClusterException
 
 from producer.connect import connect
-from producer.protocol import (DEFAULT_TENANT, LANES, ErrorEvent, Keys, Request, decode_request, encode,
-                               is_missing_group, is_tls_refusal, read_password)
+from producer.protocol import (DEFAULT_TENANT, LANES, Keys, Request, decode_request, encode, is_missing_group,
+                               is_tls_refusal, read_password)
 from worker.cancels import Cancels
-from worker.claims import Claim, Claims
+from worker.claims import Claims
 from worker.config import WorkerConfig
 from worker.engine.engine import Engine
 from worker.engine.fairness import TenantShare
 from worker.engine.inputs import PromptError, PromptTooLong
 from worker.engine.sequence import FinishReason
-from worker.flight import Flight, engine_id
+from worker.entries import Entry, Rejected, engine_prompt
+from worker.flight import Flight
 from worker.heartbeat import Heartbeat, StartupBeat, new_consumer
-from worker.intake import Entry, Intake, Rejected, decode_entry, engine_prompt, intake_room
+from worker.intake import Admission, Intake, intake_room
 from worker.metrics import Health, Metrics
 from worker.outbox import Outbox
 from worker.step_watch import StepWatch
@@ -92,9 +93,10 @@ class Worker:
         self.refuse_v1_layout()
         blocking = self.client if config.redis_cluster else connect(config.redis_url, password=password,
                                                                     blocking_ms=config.block_ms)
-        self.intake = Intake(self.client, blocking, self.keys, self.streams, self.consumer, config.replay_ttl)
         self.claims = Claims(self.client, self.keys, self.streams, self.consumer, config.replay_ttl,
                              config.reclaim_idle_ms)
+        self.intake = Intake(self.client, blocking, self.keys, self.streams, self.consumer, config.replay_ttl,
+                             self.claims, self.metrics, self.log)
         self.outbox = Outbox(self.client, config.replay_maxlen, config.replay_ttl)
         self.cancels = Cancels(self.client)
         self.step_watch = StepWatch(config.heartbeat_interval, self.keep_alive, self.health.stall, self.exit_stalled,
@@ -244,7 +246,9 @@ class Worker:
         self.cancel(self.cancels.swept(nudged))
         if self.drain_until is None:
             block_ms = None if self.engine.has_unfinished else self.config.block_ms
-            self.take(self.intake.read(intake_room(self.engine, self.config.intake_ahead), block_ms))
+            for admission in self.intake.take(intake_room(self.engine, self.config.intake_ahead), block_ms,
+                                              self.flights, self.engine.requests):
+                self.start(admission)
         self.expire_deadlines()
         if self.engine.has_unfinished:
             self.step()
@@ -338,46 +342,12 @@ class Worker:
 
     # --- intake ------------------------------------------------------------------------
     def take(self, entries: list[Entry]) -> None:
-        """Claim and start what these entries carry; each one's tenant is its stream's."""
-        accepted: dict[str, tuple[str, Entry, Request | Rejected]] = {}  # by engine id
-        dead: list[tuple[Entry, str, str | None]] = []
-        for entry in entries:
-            request = decode_entry(entry)
-            request_id = request.id if isinstance(request, Request) else request.request_id
-            if request_id is None:
-                dead.append((entry, request.reason, None))
-                continue
-            name = engine_id(self.streams[entry.stream].tenant, request_id)
-            held = self.flights.get(name)
-            if held is not None and (held.entry.stream, held.entry.entry_id) == (entry.stream, entry.entry_id):
-                continue  # our own entry, reclaimed by ourselves after a slow turn: still ours
-            elif held is not None or name in accepted:
-                dead.append((entry, "duplicate: a request with this id is in progress", request_id))
-            elif name in self.engine.requests:
-                continue  # a dropped attempt has yet to leave the engine: left pending for a later reclaim
-            else:
-                accepted[name] = (request_id, entry, request)
-        if dead:
-            self.reject(dead)
-        claims = self.claims.claim([(request_id, entry) for request_id, entry, _ in accepted.values()])
-        for (request_id, entry, request), claim in zip(accepted.values(), claims):
-            stream = self.streams[entry.stream]
-            fence = stream.keys.attempt(request_id)
-            if claim.taken and claim.terminal is not None:  # a repeat of a finished request: its result stands
-                self.intake.ack([entry])
-            elif claim.taken:  # another entry owns the id: refused here, the owner untouched
-                self.reject([(entry, "duplicate: this id belongs to another entry of the tenant", request_id)])
-            elif claim.problem:
-                self.claims.reject(stream.keys, request_id, stream.lane, claim.problem)  # ends its consumers' streams
-                self.reject([(entry, claim.problem, request_id)], fences=[fence])
-            elif isinstance(claim.terminal, ErrorEvent):  # refused on an earlier attempt, whose ack was lost
-                self.reject([(entry, claim.terminal.message, request_id)], fences=[fence])
-            elif claim.terminal is not None:  # finished on an earlier attempt, whose ack was lost
-                self.intake.ack([entry], fences=[fence])
-            else:
-                self.start(request_id, entry, request, claim)
+        """Start what reclaimed entries carry (`Intake.admit` settles the rest)."""
+        for admission in self.intake.admit(entries, self.flights, self.engine.requests):
+            self.start(admission)
 
-    def start(self, request_id: str, entry: Entry, request: Request | Rejected, claim: Claim) -> None:
+    def start(self, admission: Admission) -> None:
+        request_id, entry, request, claim = admission.request_id, admission.entry, admission.request, admission.claim
         stream = self.streams[entry.stream]
         emitted = claim.emitted_token_ids
         flight = Flight(request_id, stream.keys, entry, claim.attempt, next_seq=len(claim.events),
@@ -411,16 +381,6 @@ class Worker:
         flight.log.warning("request.refused", code=code, reason=message)
         self.outbox.add_error(flight, code, message)
         flight.dead_letter = message
-
-    def reject(self, dead: list[tuple[Entry, str, str | None]], fences: list[str] = ()) -> None:
-        """Dead-letter entries that get no event here (no usable id, no way to number one, their id
-        another entry's, or their error event written already); `fences`: the attempt keys of the
-        requests among them that this worker claimed."""
-        for entry, reason, request_id in dead:
-            self.log.warning("entry.rejected", tenant=self.streams[entry.stream].tenant, entry_id=entry.entry_id,
-                             request_id=request_id, reason=reason)
-        self.intake.ack((), dead, fences)
-        self.metrics.dead_letters.inc(len(dead))
 
     # --- cancellation (see cancels.py) and deadlines --------------------------------------
     def cancel(self, flights: list[Flight]) -> None:

@@ -22,7 +22,7 @@ import openai
 import pytest
 import redis
 
-from producer.protocol import DoneEvent, Keys, SamplingParams, Tenant, decode_event, FIELD
+from producer.protocol import DoneEvent, Keys, SamplingParams, decode_event, FIELD
 from producer.tenants import TenantRegistry
 from worker.heartbeat import worker_of
 from tests.conftest import private_redis

@@ -8,13 +8,18 @@ import time
 import fakeredis
 import pytest
 import redis
+import structlog
 
 from producer.protocol import FIELD, LANES, TERMINAL, Keys, Request, SamplingParams, decode_event, encode
+from worker.claims import Claims
 from worker.config import WorkerConfig
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import load_model
+from worker.intake import Intake
+from worker.metrics import Health, Metrics
 from worker.service import Worker
+from worker.tenants import LaneStreams
 
 MODEL = "random:llama"
 NUM_BLOCKS = 256
@@ -100,6 +105,12 @@ def offline(model, prompts: list[list[int]], params: list[SamplingParams]) -> li
         for output in engine.step():
             tokens[output.request_id] += output.token_ids
     return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def make_intake(client, streams: LaneStreams, keys: Keys = KEYS) -> Intake:
+    """An intake of consumer "me" on `client`, with the claims and metrics a worker gives it."""
+    claims = Claims(client, keys, streams, "me", replay_ttl=60, reclaim_idle_ms=60_000)
+    return Intake(client, client, keys, streams, "me", 60, claims, Metrics(Health()), structlog.get_logger())
 
 
 def submit(client, request: Request, lane: str = "normal", keys: Keys = KEYS) -> str:

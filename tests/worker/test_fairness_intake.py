@@ -5,10 +5,9 @@ import collections
 
 from producer.protocol import Keys, Request
 from worker.fair_intake import IntakeShares
-from worker.intake import Intake
 from worker.tenants import LaneStreams
 
-from .conftest import submit
+from .conftest import make_intake, submit
 
 KEYS = Keys("sb")
 
@@ -32,7 +31,7 @@ def test_weighted_shares_carry_fractions_and_drop_what_an_emptied_queue_could_no
 def test_a_flooding_tenant_takes_no_more_of_a_read_than_its_weight_while_another_has_requests(any_client):
     streams = LaneStreams(KEYS)
     streams.serve({"flood": 1, "quiet": 1, "idle": 1})
-    intake = Intake(any_client, any_client, KEYS, streams, "me", replay_ttl=60)
+    intake = make_intake(any_client, streams, KEYS)
     intake.ensure_groups()
     intake.set_weights({"quiet": 3.0})
     for i in range(200):

@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 from producer.protocol import FIELD, GROUP, Request
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.intake import Entry, Intake, Rejected, decode_entry, intake_room
+from worker.entries import Entry, Rejected, decode_entry
+from worker.intake import intake_room
 from worker.tenants import LaneStreams
 
-from .conftest import KEYS, MODEL, greedy, submit
+from .conftest import KEYS, MODEL, greedy, make_intake, submit
 
 pack = msgspec.msgpack.encode
 
@@ -65,7 +66,7 @@ def test_intake_room_keeps_a_few_waiting_and_nothing_while_the_pool_is_short(mod
 def intake(any_client):
     streams = LaneStreams(KEYS)
     streams.serve({KEYS.tenant: 1})
-    intake = Intake(any_client, any_client, KEYS, streams, "me", replay_ttl=60)
+    intake = make_intake(any_client, streams)
     intake.ensure_groups()
     intake.ensure_groups()  # BUSYGROUP is fine
     return intake

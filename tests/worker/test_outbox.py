@@ -8,7 +8,7 @@ import structlog
 from producer.protocol import DoneEvent, Timings, TokenEvent, TokenLogprob, TopLogprob, Usage, decode_event
 from worker.engine.outputs import RequestOutput
 from worker.flight import Flight
-from worker.intake import Entry
+from worker.entries import Entry
 from worker.outbox import Outbox
 
 from .conftest import KEYS, replay

@@ -8,7 +8,7 @@ from worker.config import WorkerConfig
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.models import SMOLLM2_NAME, load_model
-from worker.intake import engine_prompt
+from worker.entries import engine_prompt
 from worker.service import Worker
 
 from .conftest import assert_numbered, backlog, greedy, replay, run_until, submit, tokens_of
