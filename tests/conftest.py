@@ -26,6 +26,18 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(smollm2_cache())
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random llama with SmolLM2's vocabulary and tokenizer, saved as an HF directory: text
+    prompts on a model that loads in a blink."""
+    from worker.engine.models import random_model
+
+    path = tmp_path_factory.mktemp("tiny-smollm2")
+    random_model(f"random:llama:vocab_size={len(smollm2_tokenizer)},eos_token_id=2").save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from threads, and on a busy machine OpenMP threads that wait

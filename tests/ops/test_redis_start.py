@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from ops.local_cluster import LocalCluster
 from producer.acl import OPERATOR_USER, REPLICATOR_USER, WORKER_USER, tenant_user
 from producer.protocol import Keys
 from producer.tenants import TenantRegistry
@@ -132,7 +133,7 @@ def test_six_nodes_started_for_the_cluster_profile_are_formed_once_and_replicate
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         operators = [redis.Redis(host=host, port=port, username=OPERATOR_USER, password="operator-secret")
                      for host in hosts]
-        wait_until(lambda: all(node.ping() for node in operators), "the nodes up")
+        LocalCluster.wait(lambda: all(node.ping() for node in operators), "the nodes up")
         replication = (tmp_path / hosts[0] / "replication.conf")
         assert replication.read_text() == "masteruser replicator\nmasterauth replicator-secret\n"
         assert oct(replication.stat().st_mode & 0o777) == "0o600"
@@ -141,7 +142,7 @@ def test_six_nodes_started_for_the_cluster_profile_are_formed_once_and_replicate
                                 text=True, timeout=120)
         assert formed.returncode == 0, formed.stdout[-500:] + formed.stderr[-500:]
         assert "operator-secret" not in formed.stdout + formed.stderr
-        wait_until(lambda: sum(node.info("replication")["role"] == "slave" and
+        LocalCluster.wait(lambda: sum(node.info("replication")["role"] == "slave" and
                                node.info("replication")["master_link_status"] == "up" for node in operators) == 3,
                    "three replicas linked to their masters")
         cluster = redis.RedisCluster(host=hosts[0], port=port, username=WORKER_USER, password="worker-secret")
@@ -155,17 +156,3 @@ def test_six_nodes_started_for_the_cluster_profile_are_formed_once_and_replicate
         for node in nodes:
             node.kill()
             node.wait()
-
-
-def wait_until(condition, what: str, timeout: float = 30) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():
-                return
-        except redis.RedisError:
-            pass
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        time.sleep(0.1)

@@ -84,17 +84,6 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smollm2_tokenizer):
-    """A tiny random llama with SmolLM2's vocabulary and tokenizer, saved as an HF directory."""
-    from worker.engine.models import random_model
-
-    path = tmp_path_factory.mktemp("tiny-smollm2")
-    random_model(f"random:llama:vocab_size={len(smollm2_tokenizer)},eos_token_id=2").save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
-
-
 class Stack:
     def __init__(self, processes: Processes, redis_url: str, model_dir: Path) -> None:
         self.processes, self.redis_url, self.model_dir = processes, redis_url, model_dir

@@ -124,17 +124,6 @@ def test_a_steps_events_go_out_as_one_pipeline_per_node_that_holds_a_running_req
     producer.close()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smollm2_tokenizer):
-    """A tiny random llama with SmolLM2's tokenizer, saved as a model directory: text prompts."""
-    from worker.engine.models import random_model
-
-    path = tmp_path_factory.mktemp("tiny-smollm2")
-    random_model(f"random:llama:vocab_size={len(smollm2_tokenizer)},eos_token_id=2").save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return path
-
-
 def models(client) -> list:
     """The models a gateway lists, or none while it does not answer yet."""
     import openai

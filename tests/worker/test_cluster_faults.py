@@ -10,6 +10,7 @@ steady load of mixed requests through the cluster producer, each followed live, 
   no event is lost or repeated, every token equals an undisturbed run.
 Each test prints its figures (`pytest -s`)."""
 
+import contextlib
 import signal
 import subprocess
 import time
@@ -18,11 +19,10 @@ from collections import Counter
 import pytest
 
 from producer.connect import connect
+from producer.protocol import TERMINAL
 from tests.conftest import private_cluster
 
 from .conftest import KEYS
-from producer.protocol import TERMINAL
-
 from .faults import Load, Workers, check, expected_tokens, in_flight, mixed, replay, wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,6 +47,24 @@ def ended(client, request_id: str) -> bool:
     return not events or isinstance(events[-1], TERMINAL)
 
 
+@contextlib.contextmanager
+def loaded(tmp_path, prefix: str, *flags: str):
+    """-> (cluster, workers, load, held): two workers on a private cluster under the steady load,
+    once at least four requests are in flight (`held`: by worker)."""
+    with private_cluster(tmp_path / "cluster") as cluster:
+        workers = Workers(cluster.url, tmp_path, *flags, cluster=True)
+        try:
+            for name in ("a", "b"):
+                workers.start(name)
+            workers.wait_ready(["a", "b"], timeout=120)
+            load = Load(cluster.url, mixed(prefix, normal_tokens=(200, 500)), rate=RATE, cluster=True).start()
+            held = wait_for(lambda: (found := in_flight(workers.client)) and sum(map(len, found.values())) >= 4
+                            and found, 60, "requests in flight")
+            yield cluster, workers, load, held
+        finally:
+            workers.close()
+
+
 def owner(cluster, slot: int) -> dict:
     for node in cluster.nodes():
         if node["master"] and node["alive"]:
@@ -58,43 +76,33 @@ def owner(cluster, slot: int) -> dict:
 
 
 def test_a_master_killed_mid_load_fails_over_and_a_worker_killed_meanwhile_is_reclaimed(tmp_path, model):
-    with private_cluster(tmp_path / "cluster") as cluster:
-        workers = Workers(cluster.url, tmp_path, "--max-deliveries", "100", cluster=True)
-        try:
-            for name in ("a", "b"):
-                workers.start(name)
-            workers.wait_ready(["a", "b"], timeout=120)
-            client = workers.client
-            load = Load(cluster.url, mixed("f", normal_tokens=(200, 500)), rate=RATE, cluster=True).start()
-            held = wait_for(lambda: (found := in_flight(client)) and sum(map(len, found.values())) >= 4 and found,
-                            60, "requests in flight")
-            slots = live_slots(client, held)
-            master = Counter({owner(cluster, slot)["port"]: 0 for slot in slots})
-            for slot, count in slots.items():
-                master[owner(cluster, slot)["port"]] += count
-            port, keys_there = master.most_common(1)[0]
-            cluster.processes[port].send_signal(signal.SIGKILL)
-            killed_at = time.monotonic()
-            victim = max(held, key=lambda name: len(held[name]))
-            workers.kill(victim)  # mid-batch, during the failover
-            wait_for(lambda: len(cluster.masters()) == 3 and port not in cluster.masters(), 60, "no failover")
-            failover_s = time.monotonic() - killed_at
-            workers.url = cluster.live_url()  # the restart's URL names a node that runs
-            workers.start(victim)
-            workers.wait_ready([victim], timeout=120)
-            time.sleep(3)  # the load goes on past the failover
-            load.stop(timeout=240)
-            client = connect(cluster.live_url(), cluster=True)
-            # A request whose last writes died with the master (its finish included) is pending again on
-            # the new one: reclaimed, it is finished again, from what its replay stream holds.
-            wait_for(lambda: all(ended(client, followed.spec.request_id) for followed in load.accepted), 120,
-                     "requests whose end the failover lost were not finished again")
-            rewritten = [followed.spec.request_id for followed in load.accepted if followed.end == "done"
-                         and replay(client, followed.spec.request_id)[-1].attempt > followed.events[-1].attempt]
-            findings = check(client, load, expected_tokens(model, [followed.spec for followed in load.accepted]),
-                             allowed_ends=("done", "EventsLost", "UnknownRequest"))
-        finally:
-            workers.close()
+    with loaded(tmp_path, "f", "--max-deliveries", "100") as (cluster, workers, load, held):
+        client = workers.client
+        slots = live_slots(client, held)
+        master = Counter({owner(cluster, slot)["port"]: 0 for slot in slots})
+        for slot, count in slots.items():
+            master[owner(cluster, slot)["port"]] += count
+        port, keys_there = master.most_common(1)[0]
+        cluster.processes[port].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        victim = max(held, key=lambda name: len(held[name]))
+        workers.kill(victim)  # mid-batch, during the failover
+        wait_for(lambda: len(cluster.masters()) == 3 and port not in cluster.masters(), 60, "no failover")
+        failover_s = time.monotonic() - killed_at
+        workers.url = cluster.live_url()  # the restart's URL names a node that runs
+        workers.start(victim)
+        workers.wait_ready([victim], timeout=120)
+        time.sleep(3)  # the load goes on past the failover
+        load.stop(timeout=240)
+        client = connect(cluster.live_url(), cluster=True)
+        # A request whose last writes died with the master (its finish included) is pending again on
+        # the new one: reclaimed, it is finished again, from what its replay stream holds.
+        wait_for(lambda: all(ended(client, followed.spec.request_id) for followed in load.accepted), 120,
+                 "requests whose end the failover lost were not finished again")
+        rewritten = [followed.spec.request_id for followed in load.accepted if followed.end == "done"
+                     and replay(client, followed.spec.request_id)[-1].attempt > followed.events[-1].attempt]
+        findings = check(client, load, expected_tokens(model, [followed.spec for followed in load.accepted]),
+                         allowed_ends=("done", "EventsLost", "UnknownRequest"))
     lost = [problem for problem in findings.problems if problem.startswith("allowed:")]
     # What the failover lost of acknowledged writes: whole requests (their consumers told EventsLost or
     # UnknownRequest, at once), and the last events of others, which their consumers had seen and a
@@ -110,36 +118,26 @@ def test_a_master_killed_mid_load_fails_over_and_a_worker_killed_meanwhile_is_re
 
 
 def test_a_live_slot_migration_of_in_flight_requests_loses_and_repeats_nothing(tmp_path, model):
-    with private_cluster(tmp_path / "cluster") as cluster:
-        workers = Workers(cluster.url, tmp_path, cluster=True)
-        try:
-            for name in ("a", "b"):
-                workers.start(name)
-            workers.wait_ready(["a", "b"], timeout=120)
-            client = workers.client
-            load = Load(cluster.url, mixed("m", normal_tokens=(200, 500)), rate=RATE, cluster=True).start()
-            held = wait_for(lambda: (found := in_flight(client)) and sum(map(len, found.values())) >= 4 and found,
-                            60, "requests in flight")
-            # redis-cli moves a master's slots lowest first: enough of them to take three live requests' keys
-            by_master: dict[int, list[int]] = {}
-            for slot in live_slots(client, held):
-                by_master.setdefault(owner(cluster, slot)["port"], []).append(slot)
-            port, slots = max(by_master.items(), key=lambda item: len(item[1]))
-            source = owner(cluster, min(slots))
-            target = next(node for node in cluster.nodes() if node["master"] and node["port"] != port)
-            first = int(source["slots"][0].split("-")[0])
-            moved = sorted(slots)[min(2, len(slots) - 1)] - first + 1
-            started = time.monotonic()
-            subprocess.run(["redis-cli", "--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", source["id"],
-                            "--cluster-to", target["id"], "--cluster-slots", str(moved), "--cluster-yes"],
-                           check=True, capture_output=True, timeout=180)
-            migration_s = time.monotonic() - started
-            assert owner(cluster, min(slots))["port"] == target["port"], "the live requests' slots moved"
-            time.sleep(3)
-            load.stop(timeout=240)
-            findings = check(client, load, expected_tokens(model, [followed.spec for followed in load.accepted]))
-        finally:
-            workers.close()
+    with loaded(tmp_path, "m") as (cluster, workers, load, held):
+        client = workers.client
+        # redis-cli moves a master's slots lowest first: enough of them to take three live requests' keys
+        by_master: dict[int, list[int]] = {}
+        for slot in live_slots(client, held):
+            by_master.setdefault(owner(cluster, slot)["port"], []).append(slot)
+        port, slots = max(by_master.items(), key=lambda item: len(item[1]))
+        source = owner(cluster, min(slots))
+        target = next(node for node in cluster.nodes() if node["master"] and node["port"] != port)
+        first = int(source["slots"][0].split("-")[0])
+        moved = sorted(slots)[min(2, len(slots) - 1)] - first + 1
+        started = time.monotonic()
+        subprocess.run(["redis-cli", "--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", source["id"],
+                        "--cluster-to", target["id"], "--cluster-slots", str(moved), "--cluster-yes"],
+                       check=True, capture_output=True, timeout=180)
+        migration_s = time.monotonic() - started
+        assert owner(cluster, min(slots))["port"] == target["port"], "the live requests' slots moved"
+        time.sleep(3)
+        load.stop(timeout=240)
+        findings = check(client, load, expected_tokens(model, [followed.spec for followed in load.accepted]))
     report("live migration", findings, slots_moved=moved, live_requests_moved=sum(slot < first + moved for slot in
                                                                                    slots),
            migration_s=round(migration_s, 2))
