@@ -40,7 +40,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detok import IncrementalDetokenizer
 from worker.engine.disk_cache import Phase, quiet
 from worker.engine.inputs import PromptError, PromptTooLong, check_token_ids, encode_prompt
-from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
+from worker.engine.models import ModelInfo, kv_cache_memory, load_model, num_blocks_for_memory
 from worker.engine.outputs import RequestOutput, timings_of, token_logprob, usage_of
 from worker.engine.parallel import Ranks, load_shard, rank_device
 from worker.engine.plan import StepPlan
@@ -84,8 +84,8 @@ class Engine:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.info = ModelInfo.from_model(model, tokenizer).per_rank(ranks)  # the KV cache holds this rank's heads
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
-        self.num_blocks = config.num_blocks or num_blocks_for_memory(config.kv_cache_memory, self.info,
-                                                                     config.block_size)
+        self.num_blocks = config.num_blocks or num_blocks_for_memory(
+            config.kv_cache_memory or kv_cache_memory(device), self.info, config.block_size)
         self.pins: dict[str, list[int]] = {}  # name -> the pinned prefix's token ids, whole blocks
         self._new_scheduler()
         self.ranks: Ranks | None = None

@@ -10,7 +10,9 @@ and read after one synchronize: the step's one sync. On the CPU all of it is a n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -47,3 +49,20 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
         target.copy_(tensor, non_blocking=True)
     torch.cuda.current_stream(tensors[0].device).synchronize()
     return host
+
+
+@contextmanager
+def counting_syncs() -> Iterator[list[warnings.WarningMessage]]:
+    """Inside the block, one entry per time the host waited for a CUDA device: what
+    torch.cuda.set_sync_debug_mode("warn") warns about (blocking copies, .item(), .tolist(),
+    nonzero, synchronize)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        syncs: list[warnings.WarningMessage] = []
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+            syncs += [w for w in caught if "synchroniz" in str(w.message)]

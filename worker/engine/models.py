@@ -249,6 +249,26 @@ def allocate_kv_cache(
     ]
 
 
+CPU_KV_CACHE_MEMORY = 2 << 30
+# Of a GPU's memory, kept beside the weights and the KV cache: a step's activations (a prefill of the
+# token budget), the CUDA graphs' pool, the logits buffer, the allocator's slack (vLLM leaves 10% too).
+GPU_MEMORY_HEADROOM = 0.1
+
+
+def kv_cache_memory(device: torch.device | str) -> int:
+    """Bytes for the KV cache when none is configured: on CUDA what is free now (the model loaded)
+    less GPU_MEMORY_HEADROOM of the device's memory; on the CPU, CPU_KV_CACHE_MEMORY."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_KV_CACHE_MEMORY
+    free, total = torch.cuda.mem_get_info(device)
+    memory = free - int(GPU_MEMORY_HEADROOM * total)
+    if memory <= 0:
+        raise ValueError(f"no room for a KV cache on {device}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} "
+                         f"GiB once the model is loaded, {GPU_MEMORY_HEADROOM:.0%} of it kept as headroom")
+    return memory
+
+
 def num_blocks_for_memory(memory_bytes: int, info: ModelInfo, block_size: int, dtype: torch.dtype | str | None = None) -> int:
     """How many blocks a --kv-cache-memory budget holds (K and V, all layers)."""
     dtype = parse_dtype(dtype) if dtype is not None else info.dtype
