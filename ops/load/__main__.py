@@ -49,9 +49,9 @@ from ops.load.slo import compare_slo, slo_table
 from ops.load.trace import TOKEN_IDS, at_rate, generate, offered_rate, read_trace, write_trace
 from producer.connect import add_cluster_flag
 
-# What every run of a comparison gives the worker besides --policy: seats for a static batch of 16
-# and room in the engine's queue to form it, and a token budget that keeps a step with a prefill
-# chunk in it short.
+# What every run of a comparison gives the worker besides --policy (or --itl-slo-ms): seats for a
+# static batch of 16 and room in the engine's queue to form it, and a token budget that keeps a
+# step with a prefill chunk in it short.
 COMPARE_WORKER_ARGS = "--max-num-seqs 16 --intake-ahead 16 --token-budget 512"
 
 
@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "capacity, measured in a saturated run")
     command.set_defaults(command=compare_command)
     slo_rate = "mean arrivals per second of the runs with and without the SLO (default: --load-share of the capacity)"
-    command = commands.add_parser("slo", parents=[trace_options(rate=None, rate_help=slo_rate), target_options(),
-                                                  run_options()],
+    command = commands.add_parser("slo", parents=[trace_options(rate=None, rate_help=slo_rate),
+                                                  target_options(COMPARE_WORKER_ARGS), run_options()],
                                   help="the worker with --itl-slo-ms against without, at the same load")
     command.add_argument("--itl-slo-ms", type=float, required=True, help="the worker's ITL SLO, milliseconds")
     command.add_argument("--saturated-rate", type=float, default=16.0,

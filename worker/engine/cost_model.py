@@ -9,7 +9,7 @@ two steps (the outbox's publish round trip, the intake's read):
 
 `fit` finds the coefficients by least squares over timed steps (worker/engine/calibration.py
 times them); the publish terms are fitted the same way, on the gaps between steps against the rows
-each step published. `LiveCosts` keeps an engine's model fitted while it serves. Pure Python and
+each step published. `LiveCosts` keeps an engine's model up to date while it serves. Pure Python and
 numpy: the scheduler, which sizes its steps with the model, imports no torch.
 """
 
@@ -125,16 +125,18 @@ def mean_relative_error(cost: CostModel, samples: list[StepSample]) -> float:
 
 
 class LiveCosts:
-    """An engine's model, refitted every REFIT_STEPS steps on its calibration's steps and the latest
-    LIVE_STEPS it served (the machine's speed drifts: a neighbour takes a core), with the publish
-    terms from the gaps between steps while requests were running (the worker's loop between two
-    steps; an engine driven offline has next to none)."""
+    """An engine's model while it serves: its calibration's fit, scaled every REFIT_STEPS steps by
+    how much slower or faster the latest LIVE_STEPS steps ran than it predicts (the median ratio: the
+    machine's speed drifts, a neighbour takes a core), with the publish terms fitted on the gaps
+    between steps while requests were running (the worker's loop between two steps; an engine
+    driven offline has next to none). Live steps refit only that scale: their shapes vary too little
+    (mostly decodes: as many tokens as rows) for the terms to be told apart."""
 
     def __init__(self, calibration: list[StepSample]) -> None:
-        self.calibration = calibration
+        self.calibrated = fit(calibration)
+        self.model = self.calibrated
         self.live: deque[StepSample] = deque(maxlen=LIVE_STEPS)
         self.gaps: deque[StepSample] = deque(maxlen=LIVE_STEPS)
-        self.model = fit(calibration)
         self.steps = 0
         self.last_end: float | None = None  # when the latest step ended, if the engine stayed busy
         self.last_rows = 0
@@ -149,7 +151,12 @@ class LiveCosts:
             self.live.append(StepSample(num_tokens, kv_reads, rows, now - started))
             self.steps += 1
             if self.steps % REFIT_STEPS == 0:
-                self.model = fit([*self.calibration, *self.live])
-                if len(self.gaps) >= REFIT_STEPS:
-                    self.model = with_publish(self.model, list(self.gaps))
+                self.model = self._refitted()
         self.last_end, self.last_rows = (now, rows) if busy else (None, 0)
+
+    def _refitted(self) -> CostModel:
+        ratios = sorted(s.seconds / _predicted(self.calibrated, s) for s in self.live)
+        scale = ratios[len(ratios) // 2]
+        model = CostModel(*(scale * term for term in (self.calibrated.fixed_s, self.calibrated.per_token_s,
+                                                       self.calibrated.per_kv_read_s, self.calibrated.per_row_s)))
+        return with_publish(model, list(self.gaps)) if len(self.gaps) >= REFIT_STEPS else model
