@@ -77,7 +77,7 @@ class BlockTables:
         self.host = pinned_if_cuda(torch.zeros(rows, max_blocks_per_seq, dtype=torch.long), device)
         self.on_device = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
         self.host_view = self.host.numpy()  # writes through numpy: a torch slice assignment costs ~5 µs
-        self.used_rows = self.used_columns = 0
+        self.used_rows = 0
         self.copied: torch.cuda.Event | None = None
 
     def apply(self, update: TableUpdate) -> None:
@@ -89,13 +89,12 @@ class BlockTables:
         view = self.host_view
         for row, start, blocks in zip(update.rows, update.starts, update.new_blocks):
             if blocks:
-                end = start + len(blocks)
-                view[row, start:end] = blocks
-                self.used_columns = max(self.used_columns, end)
+                view[row, start:start + len(blocks)] = blocks
         self.used_rows = max(self.used_rows, max(update.rows, default=-1) + 1)
         if self.on_device is not self.host and self.used_rows:
-            region = (slice(0, self.used_rows), slice(0, self.used_columns))
-            self.on_device[region].copy_(self.host[region], non_blocking=True)
+            # whole rows: a contiguous region, copied straight from the pinned memory (a strided one
+            # would first be gathered into pageable memory, and that copy blocks the host)
+            self.on_device[:self.used_rows].copy_(self.host[:self.used_rows], non_blocking=True)
             self.copied = torch.cuda.Event()
             self.copied.record()
 

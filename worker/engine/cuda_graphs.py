@@ -96,8 +96,8 @@ class DecodeGraphs:
         in row tables.rows[i] -> logits [len(input_ids), vocab] (a view of the shared buffer)."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        host = torch.zeros(5, size, dtype=torch.long)
-        host[2].fill_(-1)  # rows up to `size`: the padding rows a larger step left are reset too
+        host = torch.zeros(5, self.max_seqs, dtype=torch.long)  # every row: one contiguous copy
+        host[2].fill_(-1)  # padding rows: the ones a larger step left are reset too
         host[3].fill_(1)
         rows, positions = torch.tensor(tables.rows), torch.tensor(num_computed)
         host[0, :n] = torch.tensor(input_ids)
@@ -107,7 +107,7 @@ class DecodeGraphs:
         host[4, :n] = rows
         if self.inputs.device.type == "cuda":
             host = host.pin_memory()
-        self.inputs[:, :size].copy_(host, non_blocking=True)
+        self.inputs.copy_(host, non_blocking=True)
         torch.index_select(tables.on_device, 0, self.rows[:n], out=self.block_tables[:n])
         if self.graphs:
             self.graphs[size].replay()
