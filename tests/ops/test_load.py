@@ -239,11 +239,16 @@ def test_the_ratios_and_which_targets_they_meet():
     assert comparison.fast_to_normal_ttft_p99 == pytest.approx(0.2)
     assert comparison.normal_loss == pytest.approx(1 - 90 / 95)
     assert comparison.total_to_normal_alone == pytest.approx(100 / 95)
-    assert comparison.saturated
+    assert comparison.saturated and not comparison.same_throughput  # static fell behind: 2x
+    assert compare(continuous_at(52.0), *reports()[1:]).same_throughput  # 52 against static's 50
     assert comparison.targets == {  # ITL has no target; normalized latency is only 2.5x better
         "P99 TTFT at least 3x better": True, "P99 normalized latency at least 3x better": False,
         "fast-lane P99 TTFT at most 1/4 of the normal lane's, saturated": True,
         "normal lane loses at most 10% throughput": True}
+
+
+def continuous_at(tokens_per_s: float) -> Report:
+    return report({ALL: lane(tokens_per_s, ttft_p99=1.0, itl_p99=0.05, e2e_p99=2.0, normalized_p99=0.1)})
 
 
 def test_the_itl_slo_against_none_and_its_targets():
