@@ -20,8 +20,7 @@ With an ITL SLO (`scheduler.itl_slo_ms`) the engine fits its step cost model at 
 (calibration.py: CALIBRATION_STEPS steps of varied shapes, seconds on a GPU, about 15 s
 of SmolLM2 on 2 CPU cores), then keeps it current while it serves (cost_model.LiveCosts: the
 machine's speed from its latest steps, the worker's publish round trip from the gaps between
-them), and its scheduler
-sizes every step's prefill share with it.
+them), and its scheduler sizes every step's prefill share with it.
 
 With `tensor_parallel` N > 1 this process is rank 0 of N (parallel.py): all of the above happens
 here alone, once per step, and the runner sends each step's inputs to the other ranks, which
