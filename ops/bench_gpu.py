@@ -12,14 +12,18 @@ Sections (a table each; --json OUT writes them all):
            lm_head's) and every sequence's KV read once at the measured bandwidth, or its FLOPs at
            the measured matmul rate where that is slower (the column says which). A step is what
            Engine.step spends on the device and the host around it: runner.execute of the plan, then
-           the sampler, whose token ids wait for the device, as the engine's do. The scheduler's own
-           time per step is measured by ops/bench_scheduler.py;
+           the sampler, whose token ids wait for the device, as the engine's do. Beside it, the host's
+           work per step (from an idle device to the moment the step waits for its tokens: inputs,
+           launches or a graph's replay, the sampler's launches) and its share of the step, and on a
+           GPU the host's waits for the device per step (torch.cuda.set_sync_debug_mode counts them).
+           The scheduler's own time per step is measured by ops/bench_scheduler.py;
   prefill  tokens/s of 2,048-token prompts, one per step (the default token budget), next to the
            bound of its FLOPs (2 x linear weights per token, plus causal attention's 2 x tokens^2 x
            heads x head_dim per layer) at the measured matmul rate;
   offline  ops/bench_offline's workload scaled to --requests, all submitted at once, through
            Engine.step: output tokens/s, and TTFT and ITL percentiles (nearest rank) as the engine
-           hands tokens out; prompts tokenized by the model's tokenizer, or SmolLM2's;
+           hands tokens out; prompts tokenized by the model's tokenizer, or of random ids of the same
+           lengths for a model without one (the random ones);
   greedy   our engine's greedy tokens (the prompts batched) against HF generate (sdpa attention, one
            prompt at a time) on the same model and device: a small model (the bundled smollm2-135m
            if installed, else random:llama) and the benchmarked one. Past the first differing token
@@ -27,6 +31,10 @@ Sections (a table each; --json OUT writes them all):
            difference passes only at a near tie: HF's logit of its token above ours by at most
            16 steps of the dtype's resolution at the largest logit (half-precision rounding in a
            different kernel order flips such ties; a bug does not stay within it).
+Then the targets, met or not: decode at least 80% of its bound from 64 sequences on, prefill at
+least 60% of the matmul bound, the host's work at most 2% of a step at 256 sequences.
+On a CUDA device it refuses a torch built without CUDA (torch.version.cuda None: `make setup`
+installs a CUDA build where nvidia-smi answers, see the Makefile).
 Decode contexts are not prefilled: each sequence gets its blocks directly (distinct ones, so every
 step reads the whole KV from memory) over the zero-filled cache. A decode step reads and computes
 the same whatever the cached values are, and prefilling 256 x 2,048 tokens of an 8B model would
@@ -39,8 +47,7 @@ On CUDA, attention is whichever backend the engine picks there by default.
 parallel.py). Every figure is then rank 0's: the KV cache, its size and the roofline bounds are one
 rank's (its 1/N of the layers' weights, heads and KV, and lm_head whole), the all-reduces between
 the ranks not counted; the greedy check's HF side runs the whole model, loaded beside the engine.
---dry-run: random:llama with SmolLM2's vocabulary (so the workload's token ids fit), on the CPU in
-float32, 1 and 4 sequences of 32 and 64 tokens, 64-token prompts, 8 requests: the whole path in
+--dry-run: random:llama, on the CPU in float32, 1 and 4 sequences of 32 and 64 tokens, 64-token prompts, 8 requests: the whole path in
 seconds (the test suite runs it, with --tensor-parallel 2 as well: two processes over gloo).
 """
 
@@ -58,21 +65,25 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ops.bench_offline import linear_weights, workload
+from ops.bench_offline import linear_weights, synthetic_workload, workload
 from ops.percentile import percentile
 from ops.tool import run_tool
 from producer.protocol import SamplingParams
 from worker.engine.attention import ATTN_IMPLEMENTATION
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.models import ModelInfo, load_model, parse_dtype, smollm2_cache
+from worker.engine.host_copy import counting_syncs
+from worker.engine.models import ModelInfo, load_model, parse_dtype
 from worker.engine.plan import StepPlan
-from worker.engine.sampler import SampleRequest, sample
+from worker.engine.sampler import DeviceSample, SampleRequest, read_back, sample_on_device
 from worker.engine.sequence import Sequence
 
 SECTIONS = ("device", "decode", "prefill", "offline", "greedy")
 BLOCK_SIZE = 16
-DRY_RUN_MODEL = "random:llama:vocab_size=49152"
+DRY_RUN_MODEL = "random:llama"
+MIN_DECODE_SHARE, MIN_DECODE_SEQUENCES = 0.8, 64  # of the roofline bound, from this many sequences on
+MIN_PREFILL_SHARE = 0.6  # of the matmul bound
+MAX_HOST_SHARE, HOST_SHARE_SEQUENCES = 0.02, 256  # of a decode step, at this many sequences
 GREEDY_PROMPT_LENGTHS = (4, 13, 29, 61)
 GREEDY_TOKENS = 16
 NEAR_TIE_STEPS = 16
@@ -116,11 +127,38 @@ def measure_device(device: torch.device, dtype: torch.dtype) -> dict:
             "matmul_n": n, "matmul_flop_per_s": 2 * n ** 3 / matmul_s}
 
 
+def issue_step(engine: Engine, plan: StepPlan) -> tuple[DeviceSample, list[SampleRequest]]:
+    """Engine.step's forward and sampling, up to the wait for their results."""
+    seqs, logits = engine.runner.execute(plan)
+    requests = [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, position=len(seq.token_ids))
+                for seq in seqs]
+    return sample_on_device(logits, requests), requests
+
+
 def run_step(engine: Engine, plan: StepPlan) -> list[int]:
     """The device's share of Engine.step: the forward, then greedy sampling (its token ids on the host)."""
-    seqs, logits = engine.runner.execute(plan)
-    return sample(logits, [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids,
-                                         position=len(seq.token_ids)) for seq in seqs]).token_ids
+    return read_back(*issue_step(engine, plan)).token_ids
+
+
+def host_seconds(engine: Engine, plan: StepPlan, steps: int) -> float:
+    """Mean seconds the host spends issuing a step, each timed from an idle device to the moment
+    it would wait for its tokens (on the CPU, where nothing runs asynchronously, the whole step)."""
+    device, total = engine.runner.device, 0.0
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        sampled, requests = issue_step(engine, plan)
+        total += time.perf_counter() - started
+        read_back(sampled, requests)
+    return total / steps
+
+
+def syncs_per_step(engine: Engine, plan: StepPlan, steps: int) -> float:
+    with counting_syncs() as syncs:
+        for _ in range(steps):
+            run_step(engine, plan)
+    return len(syncs) / steps
 
 
 def planned(engine: Engine, contexts: list[int], num_new: int, rng: random.Random) -> StepPlan:
@@ -141,7 +179,11 @@ def decode_bench(engine: Engine, batches: list[int], contexts: list[int], steps:
         for batch in batches:
             plan = planned(engine, [context] * batch, 1, rng)
             step_s = seconds_per_call(lambda: run_step(engine, plan), steps, engine.runner.device)
-            row = {"sequences": batch, "context": context, "step_s": step_s, "tokens_per_s": batch / step_s}
+            host_s = host_seconds(engine, plan, steps)
+            row = {"sequences": batch, "context": context, "step_s": step_s, "tokens_per_s": batch / step_s,
+                   "host_s": host_s, "host_share": host_s / step_s}
+            if engine.runner.device.type == "cuda":
+                row["syncs_per_step"] = syncs_per_step(engine, plan, 3)
             if device_figures:
                 row |= decode_bound(engine, batch, context, device_figures)
                 row["share_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
@@ -252,6 +294,13 @@ def bench(args: argparse.Namespace, console: Console) -> None:
     dry, ranks = args.dry_run, args.tensor_parallel
     model_name = args.model or (DRY_RUN_MODEL if dry else "random:llama3-8b")
     device = torch.device(args.device or ("cpu" if dry else "cuda"))
+    if device.type == "cuda" and torch.version.cuda is None:
+        raise ValueError(f"this torch ({torch.__version__}) is built without CUDA, so it cannot use {device}: "
+                         "install a CUDA build (`make setup` does where nvidia-smi answers; "
+                         "`make setup TORCH_CUDA=cu128` asks for one)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"torch {torch.__version__} sees no CUDA device (is the NVIDIA driver loaded? "
+                         "CUDA_VISIBLE_DEVICES set?)")
     dtype = parse_dtype(args.dtype or ("float32" if dry else "bfloat16"), device)
     dtype_name = str(dtype).removeprefix("torch.")
     skip = set(filter(None, args.skip.split(",")))
@@ -279,11 +328,9 @@ def bench(args: argparse.Namespace, console: Console) -> None:
     model, tokenizer = load_model(model_name, dtype, str(device))
     info = ModelInfo.from_model(model, tokenizer).per_rank(ranks)
     requests = []
-    if "offline" not in skip:  # the engine keeps the model's own tokenizer (or none) for what it samples
-        requests = workload(tokenizer or _smollm2_tokenizer(), args.seed, count)
-        if max(max(ids) for ids, _ in requests) >= info.vocab_size:
-            raise ValueError(f"{model_name}'s vocabulary ({info.vocab_size}) is smaller than the workload "
-                             "tokenizer's: give a model with a tokenizer, or --skip offline")
+    if "offline" not in skip:
+        requests = (workload(tokenizer, args.seed, count) if tokenizer is not None
+                    else synthetic_workload(info.vocab_size, args.seed, count))
     blocks_for = lambda tokens: -(-tokens // BLOCK_SIZE)  # noqa: E731
     num_blocks = max(max(batches) * blocks_for(max(contexts)), blocks_for(prompt_tokens),
                      sum(blocks_for(len(ids) + max_tokens) for ids, max_tokens in requests))
@@ -315,6 +362,9 @@ def bench(args: argparse.Namespace, console: Console) -> None:
         if "prefill" not in skip:
             result = prefill_bench(engine, prompt_tokens, prefill_steps, results.get("device"))
             report("prefill", result, prefill_table(result))
+        verdicts = targets(results)
+        if verdicts:
+            report("targets", verdicts, targets_table(verdicts))
         if "offline" not in skip:
             result = offline_bench(engine, requests)
             report("offline", result, offline_table(result))
@@ -331,12 +381,6 @@ def bench(args: argparse.Namespace, console: Console) -> None:
                 raise ValueError("our greedy tokens differ from HF generate's (see the table)")
     finally:
         engine.close()
-
-
-def _smollm2_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_cache())
 
 
 def device_table(figures: dict) -> Table:
@@ -358,12 +402,43 @@ def _bound(row: dict, suffix: str = "") -> tuple[str, str]:
 
 def decode_table(rows: list[dict]) -> Table:
     table = Table(title="Decode steps (forward + sampling), KV in place, not prefilled")
-    for column in ("sequences", "context", "step ms", "tokens/s", "roofline tokens/s", "share of it"):
+    for column in ("sequences", "context", "step ms", "tokens/s", "roofline tokens/s", "share of it", "host ms",
+                   "host share", "syncs/step"):
         table.add_column(column, justify="right")
     for row in rows:
         bound, share = _bound(row, f" ({row.get('bound_by')})")
+        syncs = row.get("syncs_per_step")
         table.add_row(str(row["sequences"]), f"{row['context']:,}", f"{row['step_s'] * 1e3:.2f}",
-                      f"{row['tokens_per_s']:,.0f}", bound, share)
+                      f"{row['tokens_per_s']:,.0f}", bound, share, f"{row['host_s'] * 1e3:.3f}",
+                      f"{row['host_share']:.1%}", "-" if syncs is None else f"{syncs:g}")
+    return table
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's targets that the run's figures can judge: [{target, value, met}]."""
+    verdicts = []
+    for row in results.get("decode", []):
+        if "share_of_bound" in row and row["sequences"] >= MIN_DECODE_SEQUENCES:
+            verdicts.append({"target": f"decode, {row['sequences']} x {row['context']}: at least "
+                                       f"{MIN_DECODE_SHARE:.0%} of the {row['bound_by']} bound",
+                             "value": row["share_of_bound"], "met": row["share_of_bound"] >= MIN_DECODE_SHARE})
+        if row["sequences"] == HOST_SHARE_SEQUENCES:
+            verdicts.append({"target": f"host work, {row['sequences']} x {row['context']}: at most "
+                                       f"{MAX_HOST_SHARE:.0%} of a step",
+                             "value": row["host_share"], "met": row["host_share"] <= MAX_HOST_SHARE})
+    prefill = results.get("prefill", {})
+    if "share_of_bound" in prefill:
+        verdicts.append({"target": f"prefill: at least {MIN_PREFILL_SHARE:.0%} of the matmul bound",
+                         "value": prefill["share_of_bound"], "met": prefill["share_of_bound"] >= MIN_PREFILL_SHARE})
+    return verdicts
+
+
+def targets_table(verdicts: list[dict]) -> Table:
+    table = Table(title="Targets")
+    for column in ("target", "measured", "verdict"):
+        table.add_column(column, justify="right")
+    for verdict in verdicts:
+        table.add_row(verdict["target"], f"{verdict['value']:.1%}", "[green]met[/]" if verdict["met"] else "[red]not met[/]")
     return table
 
 

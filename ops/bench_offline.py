@@ -37,13 +37,18 @@ WORDS = ("time data river model light stone music garden window paper city mount
          "engine question answer market energy planet signal memory bridge winter coffee").split()
 
 
+def output_lengths(rng: random.Random, count: int) -> list[int]:
+    """max_tokens 16 (half), 64 (a quarter) and 256 (the rest), shuffled."""
+    lengths = [16] * (count // 2) + [64] * (count // 4) + [256] * (count - count // 2 - count // 4)
+    rng.shuffle(lengths)
+    return lengths
+
+
 def workload(tokenizer, seed: int = 0, count: int = 64) -> list[tuple[list[int], int]]:
     """(prompt ids, max_tokens) pairs: chat-templated prompts of 20-200 tokens."""
     rng = random.Random(seed)
-    lengths = [16] * (count // 2) + [64] * (count // 4) + [256] * (count - count // 2 - count // 4)
-    rng.shuffle(lengths)
     requests = []
-    for max_tokens in lengths:
+    for max_tokens in output_lengths(rng, count):
         target, words = rng.randint(20, 200), []
         while True:
             messages = [{"role": "user", "content": " ".join(words)}]
@@ -54,6 +59,13 @@ def workload(tokenizer, seed: int = 0, count: int = 64) -> list[tuple[list[int],
             words.append(rng.choice(WORDS))
         requests.append((list(ids), max_tokens))
     return requests
+
+
+def synthetic_workload(vocab_size: int, seed: int = 0, count: int = 64) -> list[tuple[list[int], int]]:
+    """The same shape for a model without a tokenizer (a random one): prompts of 20-200 random ids."""
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab_size) for _ in range(rng.randint(20, 200))], max_tokens)
+            for max_tokens in output_lengths(rng, count)]
 
 
 def run_ours(model_name: str, dtype: str, requests, policy: str, compile: bool) -> dict:

@@ -24,10 +24,11 @@ from rich.table import Table
 from ops.percentile import percentile
 from producer.protocol import SamplingParams
 from worker.engine.blocks import BlockPool
+from worker.engine.cost_model import CostModel
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_config import SchedulerConfig
 from worker.engine.sequence import Sequence
-from worker.engine.simulator import CostModel, FakeModel, SimRequest, simulate
+from worker.engine.simulator import FakeModel, SimRequest, simulate
 
 console = Console(width=150)
 

@@ -5,9 +5,10 @@
                        [--token-budgets 256,512,1024,2048] [--fast-lane-shares 0.1,0.3]
                        [--watermarks 0,0.1,0.2] [--block-sizes 16,32] [--confirm 3] [--out DIR]
 
-1. Calibrate: the simulator's cost model is fitted to the real engine's step times on the model
-   and flags the worker will run (ops/cost_model.py), or read from --cost-model FILE (written there
-   by an earlier calibration).
+1. Calibrate: the simulator's cost model (worker/engine/cost_model.py, the model a worker with
+   --itl-slo-ms sizes its steps with) is fitted to the real engine's step times on the model and
+   flags the worker will run, and to the worker's publish round trip on a private redis-server
+   (ops/cost_model.py), or read from --cost-model FILE (written there by an earlier calibration).
 2. Search on the simulator (worker/engine/simulator.py): for every setting of the grid, the highest
    load (the trace's arrivals sped up or slowed down: trace.at_rate) at which the SLOs hold, by
    doubling or halving from the trace's own rate and then bisecting. A setting's score is its output
@@ -21,7 +22,9 @@ Prints the curve (every setting: at the trace's own rate, tokens/s and SLO met o
 best load within the SLOs), and with --out writes tune.json and tune.png (throughput within the
 SLOs against each knob).
 The simulator's requests produce all of max_tokens (a trace's ignore_eos=False requests may stop
-earlier on the real model), and its steps cost what the engine's do, not the worker's Redis I/O.
+earlier on the real model); its steps cost what the worker's turns do (the engine step and the
+publish round trip), not the intake's reads or the client's own I/O. With --itl-slo-ms in
+--worker-args the simulated scheduler holds it too, with the same model.
 """
 
 from __future__ import annotations
@@ -335,10 +338,11 @@ def tune(args, console: Console) -> None:
                                                                fast_share=args.fast_share)
     slo = SLO(args.ttft_p99, args.itl_p99)
     calibration = calibrated(args, worker, console)
-    console.print(f"cost model of {calibration.model}: step = {calibration.fixed_s * 1e3:.2f} ms + "
+    console.print(f"cost model of {calibration.model}: turn = {calibration.fixed_s * 1e3:.2f} ms + "
                   f"{calibration.per_token_s * 1e6:.2f} µs/token + {calibration.per_kv_read_s * 1e9:.2f} ns/KV token "
-                  f"read (fitted on {calibration.num_samples} steps, mean error {calibration.mean_relative_error:.0%});"
-                  f" KV pool {calibration.kv_tokens:,} tokens")
+                  f"read + {calibration.per_row_s * 1e6:.1f} µs/row sampled and published + "
+                  f"{calibration.publish_s * 1e3:.2f} ms publish round trip (fitted on {calibration.num_samples} "
+                  f"steps, mean error {calibration.mean_relative_error:.0%}); KV pool {calibration.kv_tokens:,} tokens")
     settings = grid(args.token_budgets, args.fast_lane_shares, args.watermarks, args.block_sizes)
     with console.status("") as status:
         done = []

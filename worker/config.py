@@ -115,6 +115,11 @@ WORKER_FLAGS = {
     "dead_letter_ttl": "seconds a dead letter is kept (the stream is also capped at 100,000 entries)",
 }
 ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bfloat16 on CUDA, float32 on CPU",
+                "kv_cache_memory": "bytes of K and V for all layers (per rank); None: on CUDA what is free once the "
+                                   "model is loaded less 10%% of the device's memory, on the CPU 2 GiB",
+                "itl_slo_ms": "a ceiling on running requests' inter-token latency, in ms: a step with decodes takes "
+                              "only the prefill tokens that the engine's step cost model, fitted at start-up and "
+                              "while serving, says keep it under (the fast lane's first)",
                 "tensor_parallel": "split the model across this many ranks, one process and device each (rank r on "
                                    "cuda:r); --kv-cache-memory is per rank"}
 ENGINE_OPTIONS: dict[str, msgspec.structs.FieldInfo] = {

@@ -4,21 +4,25 @@
     python -m ops.load run [trace options | --trace FILE] [target]    one run: table, JSON, plots
     python -m ops.load sweep --rates 1,2,4 [...]                      the same trace at several loads
     python -m ops.load compare [trace options] [--model M]            continuous vs static (compare.py)
+    python -m ops.load slo --itl-slo-ms MS [trace options] [--model M]  the ITL SLO against none (slo.py)
     python -m ops.load gateway [trace options] [--model M]            each request direct and through the gateway
 
 The target is a live deployment (--redis-url, with --metrics-url per worker for its counters) or,
 without --redis-url, a private one started for the run: a redis-server and one worker on --model
 with --worker-args. A sweep or a comparison starts a fresh private worker for every run, so that no
 run finds the prompts of the one before in the prefix cache (against a live deployment they may).
---out DIR writes the report(s) as JSON and the PNG plots there.
+--out DIR writes the report(s) as JSON and the PNG plots there, and beside each report its requests
+as JSON lines (<run>.requests.jsonl: arrival, first token, finish, every token event, tokens, lane;
+seconds from the run's start), from which every figure can be recomputed.
 
-The default trace is sized for a 2-core CPU on the bundled smollm2-135m (a comparison takes two to
-four minutes): 80 requests, a fifth of them in the fast lane, normal-lane prompts and outputs
+The default trace is sized for a 2-core CPU on the bundled smollm2-135m (a comparison takes three to
+six minutes): 80 requests, a fifth of them in the fast lane, normal-lane prompts and outputs
 lognormal (outputs up to 256 tokens, mean about 47), Poisson arrivals at 6 req/s. With the
 comparison's worker flags (16 seats) a worker sustains 5-7 req/s of it on the continuous policy (AVX2
 or AVX-512 machines) and about half that on the static one: --saturated-rate 16 is well above both,
-and unless --rate is given the comparison offers both policies 80% (--load-share) of what the
-saturated run measured. `--model random:llama --count 12` makes a quick run (the tests' way).
+and unless --rate is given the comparison offers both policies 80% (--load-share) of what the static
+worker sustained (so that both deliver the same throughput), and `slo` offers 80% of what the worker
+without an SLO sustained. `--model random:llama --count 12` makes a quick run (the tests' way).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import re
 import shlex
 import sys
 import tempfile
@@ -38,14 +43,15 @@ from rich.table import Table
 from ops.demo import running_gateway, use_cluster_option
 from ops.tool import run_tool
 from ops.load.compare import LOAD_SHARE, capacity, compare, comparison_table
-from ops.load.report import ALL, report_table, summarize, sweep_table, to_json
+from ops.load.report import ALL, report_table, summarize, sweep_table, to_json, write_requests
 from ops.load.runner import RunResult, private_deployment, run
+from ops.load.slo import compare_slo, slo_table
 from ops.load.trace import TOKEN_IDS, at_rate, generate, offered_rate, read_trace, write_trace
 from producer.connect import add_cluster_flag
 
-# What every run of a comparison gives the worker besides --policy: seats for a static batch of 16
-# and room in the engine's queue to form it, and a token budget that keeps a step with a prefill
-# chunk in it short.
+# What every run of a comparison gives the worker besides --policy (or --itl-slo-ms): seats for a
+# static batch of 16 and room in the engine's queue to form it, and a token budget that keeps a
+# step with a prefill chunk in it short.
 COMPARE_WORKER_ARGS = "--max-num-seqs 16 --intake-ahead 16 --token-budget 512"
 
 
@@ -82,9 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--saturated-rate", type=float, default=16.0,
                          help="offered load of the fast-lane runs: above what the worker sustains")
     command.add_argument("--load-share", type=float, default=LOAD_SHARE,
-                         help="without --rate: the policies' offered load as a share of the capacity the "
-                              "saturated run measured")
+                         help="without --rate: the policies' offered load as a share of the static worker's "
+                              "capacity, measured in a saturated run")
     command.set_defaults(command=compare_command)
+    slo_rate = "mean arrivals per second of the runs with and without the SLO (default: --load-share of the capacity)"
+    command = commands.add_parser("slo", parents=[trace_options(rate=None, rate_help=slo_rate),
+                                                  target_options(COMPARE_WORKER_ARGS), run_options()],
+                                  help="the worker with --itl-slo-ms against without, at the same load")
+    command.add_argument("--itl-slo-ms", type=float, required=True, help="the worker's ITL SLO, milliseconds")
+    command.add_argument("--saturated-rate", type=float, default=16.0,
+                         help="offered load of the run that measures the capacity: above what the worker sustains")
+    command.add_argument("--load-share", type=float, default=LOAD_SHARE,
+                         help="without --rate: the offered load as a share of the capacity without the SLO")
+    command.set_defaults(command=slo_command)
     command = commands.add_parser("gateway", parents=[trace_options(), target_options(), run_options()],
                                   help="each request twice at once, through the producer and through the OpenAI gateway: ratios")
     command.set_defaults(command=gateway_command)
@@ -172,6 +188,7 @@ def run_command(args, console: Console) -> None:
         from ops.load import plots  # matplotlib only when plotting
 
         written = [_write(args.out / "report.json", to_json(report)),
+                   write_requests(args.out / "run.requests.jsonl", result),
                    plots.latency_cdfs({"run": result}, args.out / "latency_cdfs.png"),
                    plots.token_timeline({"run": result}, args.out / "token_timeline.png")]
         _say_written(console, written)
@@ -181,17 +198,54 @@ def sweep_command(args, console: Console) -> None:
     if args.concurrency is not None:
         raise ValueError("a sweep varies the offered load of an open loop: drop --concurrency")
     trace = trace_of(args)
-    reports = []
+    reports, results = [], {}
     for rate in args.rates:
         console.rule(f"{rate:g} req/s")
-        reports.append(summarize(run_on_target(args, at_rate(trace, rate / offered_rate(trace)), console)))
+        results[f"{rate:g}"] = run_on_target(args, at_rate(trace, rate / offered_rate(trace)), console)
+        reports.append(summarize(results[f"{rate:g}"]))
         console.print(report_table(reports[-1], f"{rate:g} req/s"))
     console.print(sweep_table(reports))
     if args.out is not None:
         from ops.load import plots
 
         _say_written(console, [_write(args.out / "sweep.json", to_json(reports)),
-                               plots.load_curve(reports, args.out / "load_curve.png")])
+                               plots.load_curve(reports, args.out / "load_curve.png"),
+                               *_write_requests(args.out, results)])
+
+
+class Phases:
+    """Runs of a comparison on fresh private workers, each reported as it ends."""
+
+    def __init__(self, args, console: Console) -> None:
+        self.args, self.console = args, console
+        self.results: dict[str, RunResult] = {}
+        self.reports: dict = {}
+
+    def run(self, name: str, requests: list, worker_args: list[str]) -> None:
+        self.console.rule(f"{name}: {len(requests)} requests at {offered_rate(requests):.2f} req/s, "
+                          f"{' '.join(worker_args)}")
+        self.results[name] = run_on_target(self.args, requests, self.console, worker_args)
+        self.reports[name] = summarize(self.results[name])
+        self.console.print(report_table(self.reports[name], name))
+
+    def at_share_of_capacity(self, trace: list, saturated: str, what: str) -> list:
+        """The trace at --rate, or at --load-share of the capacity the `saturated` run measured."""
+        if self.args.rate is not None:
+            return trace
+        measured = capacity(self.reports[saturated])
+        rate = self.args.load_share * measured
+        self.console.print(f"capacity of {what}: {measured:.2f} req/s; compared at {self.args.load_share:.0%} of it, "
+                           f"{rate:.2f} req/s")
+        return at_rate(trace, rate / offered_rate(trace))
+
+    def write(self, name: str, summary, plotted: tuple[str, ...]) -> None:
+        from ops.load import plots
+
+        side_by_side = {run: self.results[run] for run in plotted}
+        _say_written(self.console, [_write(self.args.out / f"{name}.json", to_json({"runs": self.reports} | summary)),
+                                    plots.latency_cdfs(side_by_side, self.args.out / "latency_cdfs.png"),
+                                    plots.token_timeline(side_by_side, self.args.out / "token_timeline.png"),
+                                    *_write_requests(self.args.out, self.results)])
 
 
 def compare_command(args, console: Console) -> None:
@@ -200,34 +254,36 @@ def compare_command(args, console: Console) -> None:
                          "drop --redis-url and --concurrency")
     trace = trace_of(args)
     saturated = at_rate(trace, args.saturated_rate / offered_rate(trace))
-    results: dict[str, RunResult] = {}
-    reports = {}
-
-    def phase(name: str, requests: list, policy: str) -> None:
-        console.rule(f"{name}: {len(requests)} requests at {offered_rate(requests):.2f} req/s, --policy {policy}")
-        results[name] = run_on_target(args, requests, console, ["--policy", policy])
-        reports[name] = summarize(results[name])
-        console.print(report_table(reports[name], name))
-
-    phase("saturated", saturated, "continuous")
-    phase("saturated, normal lane alone", [r for r in saturated if r.lane != "fast"], "continuous")
-    if args.rate is None:
-        rate = args.load_share * capacity(reports["saturated"])
-        console.print(f"capacity of the continuous worker: {capacity(reports['saturated']):.2f} req/s; "
-                      f"the policies are compared at {args.load_share:.0%} of it, {rate:.2f} req/s")
-        trace = at_rate(trace, rate / offered_rate(trace))
-    phase("continuous", trace, "continuous")
-    phase("static", trace, "static")
+    phases = Phases(args, console)
+    phases.run("saturated", saturated, ["--policy", "continuous"])
+    phases.run("saturated, normal lane alone", [r for r in saturated if r.lane != "fast"], ["--policy", "continuous"])
+    phases.run("static, saturated", saturated, ["--policy", "static"])
+    trace = phases.at_share_of_capacity(trace, "static, saturated", "the static worker")
+    phases.run("continuous", trace, ["--policy", "continuous"])
+    phases.run("static", trace, ["--policy", "static"])
+    reports = phases.reports
     comparison = compare(reports["continuous"], reports["static"], reports["saturated"],
                          reports["saturated, normal lane alone"])
     console.print(comparison_table(comparison))
     if args.out is not None:
-        from ops.load import plots
+        phases.write("compare", {"comparison": comparison}, ("continuous", "static"))
 
-        side_by_side = {name: results[name] for name in ("continuous", "static")}
-        _say_written(console, [_write(args.out / "compare.json", to_json({"runs": reports, "comparison": comparison})),
-                               plots.latency_cdfs(side_by_side, args.out / "latency_cdfs.png"),
-                               plots.token_timeline(side_by_side, args.out / "token_timeline.png")])
+
+def slo_command(args, console: Console) -> None:
+    if args.redis_url is not None or args.concurrency is not None:
+        raise ValueError("slo starts its own workers (with and without the SLO) and sets the offered load: "
+                         "drop --redis-url and --concurrency")
+    trace = trace_of(args)
+    phases = Phases(args, console)
+    if args.rate is None:  # the capacity the load is a share of
+        phases.run("saturated", at_rate(trace, args.saturated_rate / offered_rate(trace)), [])
+        trace = phases.at_share_of_capacity(trace, "saturated", "the worker without an SLO")
+    phases.run("no SLO", trace, [])
+    phases.run("SLO", trace, ["--itl-slo-ms", f"{args.itl_slo_ms:g}"])
+    comparison = compare_slo(phases.reports["no SLO"], phases.reports["SLO"], args.itl_slo_ms / 1e3)
+    console.print(slo_table(comparison))
+    if args.out is not None:
+        phases.write("slo", {"comparison": comparison}, ("no SLO", "SLO"))
 
 
 def gateway_command(args, console: Console) -> None:
@@ -253,7 +309,8 @@ def gateway_command(args, console: Console) -> None:
         console.print(report_table(reports[name], name))
     console.print(gateway_table(reports["direct"], reports["gateway"]))
     if args.out is not None:
-        _say_written(console, [_write(args.out / "gateway.json", to_json(reports))])
+        _say_written(console, [_write(args.out / "gateway.json", to_json(reports)),
+                               write_requests(args.out / "gateway.requests.jsonl", result)])
 
 
 def _moved(request):
@@ -282,6 +339,12 @@ def _write(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return path
+
+
+def _write_requests(out: Path, results: dict[str, RunResult]) -> list[Path]:
+    """Each run's requests beside its report: <out>/<run name, slugged>.requests.jsonl."""
+    return [write_requests(out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.requests.jsonl", result)
+            for name, result in results.items()]
 
 
 def _say_written(console: Console, paths: list[Path]) -> None:

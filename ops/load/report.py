@@ -6,6 +6,7 @@ Redis):
   ITL    per gap between a request's token events, the gap over the later event's tokens
          (ops/demo_view.py's definition), pooled over the lane's requests;
   e2e    submit -> terminal event;
+  normalized  e2e / output tokens, per finished request (the vLLM paper's "normalized latency");
   queue  submit -> first scheduled in an engine: TTFT less the worker's own first-scheduled ->
          first-token time (its timings are durations, so no clocks need to agree).
 Output tokens/s and effective concurrency are over the lane's span, from its first submit to its
@@ -18,6 +19,8 @@ waited for a worker (in the engines or not yet taken from Redis): near 1, the ru
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import msgspec
 from rich.console import Group
@@ -48,6 +51,7 @@ class LaneReport(msgspec.Struct):
     ttft_s: Percentiles
     itl_s: Percentiles
     e2e_s: Percentiles
+    normalized_s: Percentiles  # per output token
     queue_s: Percentiles
     output_tokens: int
     output_tokens_per_s: float
@@ -76,6 +80,7 @@ def latencies(records: list[RequestRecord]) -> dict[str, list[float]]:
         "ttft": [record.ttft for record in records if record.ttft is not None],
         "itl": [gap for record in records for gap in record.inter_token_latencies],
         "e2e": [record.finished - record.submitted for record in done],
+        "normalized": [(record.finished - record.submitted) / record.tokens for record in done if record.tokens],
         "queue": [record.ttft - (record.end.timings.ttft - record.end.timings.queued)
                   for record in done if record.ttft is not None],
     }
@@ -109,7 +114,8 @@ def lane_report(records: list[RequestRecord]) -> LaneReport:
     return LaneReport(
         requests=len(records), finished=len(done), failed=len(ended) - len(done),
         ttft_s=Percentiles.of(measured["ttft"]), itl_s=Percentiles.of(measured["itl"]),
-        e2e_s=Percentiles.of(measured["e2e"]), queue_s=Percentiles.of(measured["queue"]),
+        e2e_s=Percentiles.of(measured["e2e"]), normalized_s=Percentiles.of(measured["normalized"]),
+        queue_s=Percentiles.of(measured["queue"]),
         output_tokens=tokens, output_tokens_per_s=tokens / span if span > 0 else 0.0,
         effective_concurrency=sum(measured["e2e"]) / span if span > 0 else 0.0,
         prefix_hit_rate=sum(record.end.usage.cached_tokens for record in done) / prompt_tokens
@@ -124,11 +130,48 @@ def to_json(value) -> bytes:
     return msgspec.json.format(msgspec.json.encode(value), indent=2)
 
 
+class RequestRow(msgspec.Struct):
+    """One request of a run, its times in seconds from the run's start (None: never happened)."""
+    index: int  # in the trace
+    request_id: str
+    lane: str
+    arrival_s: float  # submitted
+    first_token_s: float | None
+    finish_s: float | None  # its terminal event
+    output_tokens: int
+    token_events: list[tuple[float, int]]  # (arrival, tokens) of each token event
+    finish_reason: str | None
+    error: str | None
+
+
+def request_rows(result: RunResult) -> list[RequestRow]:
+    def since(at: float | None) -> float | None:
+        return None if at is None else at - result.started
+    rows = []
+    for record in result.requests:
+        end = record.end
+        rows.append(RequestRow(
+            record.index, record.label, record.lane, since(record.submitted),
+            since(record.arrivals[0][0]) if record.arrivals else None, since(record.finished), record.tokens,
+            [(at - result.started, count) for at, count in record.arrivals],
+            getattr(end, "finish_reason", None), record.error or getattr(end, "message", None)))
+    return rows
+
+
+def write_requests(path: Path, result: RunResult) -> Path:
+    """The run's requests as JSON lines (RequestRow) at `path`; -> path."""
+    encoder = msgspec.json.Encoder()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(encoder.encode(row) + b"\n" for row in request_rows(result)))
+    return path
+
+
 def report_table(report: Report, title: str = "load") -> Group:
     lanes = list(report.lanes)
     table = Table("", *lanes, title=f"{title}: {_load(report)}", title_justify="left")
     rows = [("requests (failed)", lambda lane: f"{lane.requests} ({lane.failed})")]
-    for name, attribute in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("e2e", "e2e_s"), ("queue", "queue_s")):
+    for name, attribute in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("e2e", "e2e_s"),
+                            ("normalized (s/token)", "normalized_s"), ("queue", "queue_s")):
         for quantile in ("p50", "p95", "p99"):
             rows.append((f"{name} {quantile} (s)",
                          lambda lane, a=attribute, q=quantile: _seconds(getattr(getattr(lane, a), q))))

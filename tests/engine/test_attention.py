@@ -44,7 +44,8 @@ class Pager:
 
     def __init__(self, model, block_size: int, num_blocks: int = 128, seed: int = 0, backend: str | None = None):
         self.model, self.block_size, self.backend = model, block_size, backend
-        self.kv_caches = allocate_kv_cache(ModelInfo.from_model(model), num_blocks, block_size, device=DEVICE)
+        self.kv_caches = allocate_kv_cache(ModelInfo.from_model(model), num_blocks, block_size, device=DEVICE,
+                                           backend=backend)
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
@@ -319,7 +320,8 @@ def test_written_kv_reads_back_in_position_order(native):
     if native and kernels.native() is None:
         pytest.fail("the native kernels did not build")
     torch.manual_seed(0)
-    k_shape, v_shape = kv_cache_shapes(6, 4, 2, 8)
+    backend = "native" if native else "torch"
+    k_shape, v_shape = kv_cache_shapes(6, 4, 2, 8, backend)
     k_cache, v_cache = torch.zeros(k_shape), torch.zeros(v_shape)
     table = torch.tensor([[5, 0, 3]])  # positions 0-3 in block 5, 4-7 in block 0, 8-11 in block 3
     positions = torch.arange(10)
@@ -329,5 +331,5 @@ def test_written_kv_reads_back_in_position_order(native):
         kernels.write_kv(k_cache, v_cache, slots, key, value)
     else:
         write_kv(k_cache, v_cache, slots // 4, slots % 4, key, value)
-    k, v = read_kv(k_cache, v_cache, table, 10)
+    k, v = read_kv(k_cache, v_cache, table, 10, backend)
     assert torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], value.transpose(0, 1))

@@ -13,10 +13,10 @@ import torch
 
 from producer.protocol import SamplingParams
 from tests.engine.test_attention import DEVICE, Pager, paged_model, tokens
-from tests.engine.test_engine import hf_greedy, make_engine, prompts_of
+from tests.engine.test_engine import hf_greedy, make_engine, model_and_reference, prompts_of
 from worker.engine.attention import run_model
+from worker.engine.block_tables import BlockTables, TableUpdate
 from worker.engine.cuda_graphs import DecodeGraphs
-from worker.engine.models import load_model, random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,14 +45,19 @@ def test_decodes_through_the_buffers_match_plain_steps_and_write_only_their_slot
     model = paged_model(name)
     graphs = DecodeGraphs(functools.partial(run_model, model), buffered.kv_caches, BLOCK_SIZE, 16, 4, DEVICE,
                           capture=DEVICE == "cuda")
+    tables = BlockTables(16, torch.device(DEVICE), rows=2)  # grows to 5 rows
     # 4 rows, then 3 (padded to 4: the row the step before used must now write nothing), then 1.
     for step, keys in enumerate((["s0", "s1", "s2", "s3"], ["s4", "s1", "s3"], ["s2"])):
         work = [(key, tokens(1, 100 + 10 * step + i)) for i, key in enumerate(keys)]
         _, expected = plain.step(work)
         buffered.metadata(work)  # grows the block tables as the plain pager did
+        rows = [int(key[1:]) for key in keys]
+        tables.apply(TableUpdate(rows, [0] * len(rows), [buffered.tables[key] for key in keys]))
         with torch.inference_mode():
             logits = graphs.run([new[0] for _, new in work], [buffered.computed[key] for key in keys],
-                                [buffered.tables[key] for key in keys])
+                                tables.of_step(rows))
+        # every size writes its logits into the one buffer
+        assert logits.data_ptr() == graphs.logits.data_ptr() and graphs.logits.shape[0] == 4
         for key, _ in work:
             buffered.computed[key] += 1
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0, msg=f"step {step}")
@@ -65,9 +70,7 @@ def test_decodes_through_the_buffers_match_plain_steps_and_write_only_their_slot
 
 def test_engine_greedy_tokens_match_hf_with_decodes_through_the_buffers(monkeypatch):
     spec = "random:llama"
-    model, _ = load_model(spec, device=DEVICE)
-    reference = random_model(spec)
-    reference.set_attn_implementation("sdpa")
+    model, reference = model_and_reference(spec, DEVICE)
     prompts = prompts_of(4, seed=7, low=3, high=30)
     # At most 2 rows go through the buffers: a step of 3 or 4 decodes takes the plain path.
     engine = make_engine((spec, model, reference), num_blocks=64, block_size=BLOCK_SIZE, token_budget=32,

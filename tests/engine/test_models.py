@@ -14,7 +14,8 @@ from worker.engine import models
 from worker.engine.config import EngineConfig
 from worker.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, run_model
 from worker.engine.models import (
-    ModelInfo, allocate_kv_cache, load_model, num_blocks_for_memory, parse_dtype, random_model,
+    CPU_KV_CACHE_MEMORY, GPU_MEMORY_HEADROOM, ModelInfo, allocate_kv_cache, kv_cache_memory, load_model,
+    num_blocks_for_memory, parse_dtype, random_model,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,8 +65,20 @@ def test_model_info_and_cache_sizing():
     # keys as [head_dim, block_size] tiles per block and head, values as [block_size, head_dim]
     assert all(k.shape == (10, 2, 16, 16) and v.shape == (10, 2, 16, 16) and k.dtype == torch.float32 for k, v in caches)
     assert [c.numel() for c in allocate_kv_cache(info, 3, 8)[0]] == [3 * 2 * 16 * 8] * 2
-    assert allocate_kv_cache(info, 3, 8)[0][0].shape == (3, 2, 16, 8)
+    assert allocate_kv_cache(info, 3, 8, backend="native")[0][0].shape == (3, 2, 16, 8)
+    # on a GPU keys are stored as values are: head_dim contiguous (triton_attention.py)
+    assert [c.shape for c in allocate_kv_cache(info, 3, 8, backend="triton")[0]] == [(3, 2, 8, 16)] * 2
     assert allocate_kv_cache(info, 2, 8, "bf16")[0][1].dtype == torch.bfloat16
+
+
+def test_the_kv_cache_takes_what_the_gpu_has_free_less_a_headroom(monkeypatch):
+    assert kv_cache_memory("cpu") == CPU_KV_CACHE_MEMORY
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (120 * gib, 140 * gib))  # after the model
+    assert kv_cache_memory("cuda") == 120 * gib - int(GPU_MEMORY_HEADROOM * 140 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 140 * gib))
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        kv_cache_memory("cuda")
 
 
 def test_hf_directory_loads(tmp_path):

@@ -1,10 +1,11 @@
 """The simulated executor's clock: step times from the cost model, token times from the steps."""
 
 from producer.protocol import SamplingParams
+from worker.engine.cost_model import CostModel, kv_reads
 from worker.engine.plan import StepPlan
 from worker.engine.scheduler_config import SchedulerConfig
 from worker.engine.sequence import Sequence
-from worker.engine.simulator import CostModel, SimRequest, kv_reads, simulate
+from worker.engine.simulator import SimRequest, simulate
 
 
 def request(arrival_s: float, prompt_len: int, max_tokens: int, request_id: str) -> SimRequest:
@@ -22,6 +23,9 @@ def test_step_time_counts_computed_tokens_and_the_context_each_sequence_reads():
     assert kv_reads(plan) == 100 + 40
     cost = CostModel(fixed_s=1.0, per_token_s=0.1, per_kv_read_s=0.01)
     assert cost.step_time(plan) == 1.0 + 0.1 * 41 + 0.01 * 140
+    # both sample (the decode, and the prompt computed whole): a row each, and the publish after the step
+    cost = CostModel(fixed_s=1.0, per_token_s=0.1, per_kv_read_s=0.01, per_row_s=0.5, publish_s=2.0)
+    assert cost.step_time(plan) == 1.0 + 0.1 * 41 + 0.01 * 140 + 0.5 * 2 + 2.0
 
 
 def test_token_times_are_the_ends_of_the_steps_that_sampled_them():

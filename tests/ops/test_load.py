@@ -15,7 +15,8 @@ from ops.demo import free_port, wait_until_ready
 from ops.percentile import percentile
 from ops.load.__main__ import COMPARE_WORKER_ARGS, build_parser
 from ops.load.compare import compare
-from ops.load.report import ALL, LaneReport, Percentiles, Report, latencies, summarize
+from ops.load.report import ALL, LaneReport, Percentiles, Report, latencies, summarize, write_requests
+from ops.load.slo import compare_slo
 from ops.load.runner import RequestRecord, RunResult, WorkerSample
 from ops.load.trace import (TOKEN_IDS, arrival_times, at_rate, generate, offered_rate, parse_lengths, read_trace,
                             write_trace)
@@ -203,11 +204,13 @@ def test_the_plots_of_a_run_and_of_a_sweep(tmp_path):
 
 
 # --- the comparison ----------------------------------------------------------------------
-def lane(tokens_per_s: float, ttft_p99: float = 1.0, itl_p99: float = 0.1, e2e_p99: float = 1.0) -> LaneReport:
+def lane(tokens_per_s: float, ttft_p99: float = 1.0, itl_p99: float = 0.1, e2e_p99: float = 1.0,
+         normalized_p99: float = 0.1, itl_p50: float = 0.0) -> LaneReport:
     return LaneReport(requests=10, finished=10, failed=0, ttft_s=Percentiles(0.0, 0.0, ttft_p99),
-                      itl_s=Percentiles(0.0, 0.0, itl_p99), e2e_s=Percentiles(0.0, 0.0, e2e_p99),
-                      queue_s=Percentiles(0.0, 0.0, 1.0), output_tokens=100, output_tokens_per_s=tokens_per_s,
-                      effective_concurrency=1.0, prefix_hit_rate=None)
+                      itl_s=Percentiles(itl_p50, 0.0, itl_p99), e2e_s=Percentiles(0.0, 0.0, e2e_p99),
+                      normalized_s=Percentiles(0.0, 0.0, normalized_p99), queue_s=Percentiles(0.0, 0.0, 1.0),
+                      output_tokens=100, output_tokens_per_s=tokens_per_s, effective_concurrency=1.0,
+                      prefix_hit_rate=None)
 
 
 def report(lanes: dict[str, LaneReport], waiting_share: float = 0.9) -> Report:
@@ -217,8 +220,9 @@ def report(lanes: dict[str, LaneReport], waiting_share: float = 0.9) -> Report:
 
 
 def reports(waiting_share: float = 0.9) -> tuple[Report, Report, Report, Report]:
-    continuous = report({ALL: lane(100.0, ttft_p99=1.0, itl_p99=0.05, e2e_p99=2.0)}, waiting_share=0.1)
-    static = report({ALL: lane(50.0, ttft_p99=4.0, itl_p99=0.1, e2e_p99=7.0)})
+    continuous = report({ALL: lane(100.0, ttft_p99=1.0, itl_p99=0.05, e2e_p99=2.0, normalized_p99=0.1)},
+                        waiting_share=0.1)
+    static = report({ALL: lane(50.0, ttft_p99=4.0, itl_p99=0.1, e2e_p99=7.0, normalized_p99=0.25)})
     saturated = report({ALL: lane(100.0), "fast": lane(10.0, ttft_p99=0.2), "normal": lane(90.0, ttft_p99=1.0)},
                        waiting_share)
     normal_alone = report({ALL: lane(95.0), "normal": lane(95.0)})
@@ -231,11 +235,50 @@ def test_the_ratios_and_which_targets_they_meet():
     assert comparison.ttft_p99_ratio == pytest.approx(4.0)
     assert comparison.itl_p99_ratio == pytest.approx(2.0)
     assert comparison.e2e_p99_ratio == pytest.approx(3.5)
+    assert comparison.normalized_p99_ratio == pytest.approx(2.5)
     assert comparison.fast_to_normal_ttft_p99 == pytest.approx(0.2)
     assert comparison.normal_loss == pytest.approx(1 - 90 / 95)
     assert comparison.total_to_normal_alone == pytest.approx(100 / 95)
-    assert comparison.saturated
-    assert list(comparison.targets.values()) == [True, False, True, True]  # ITL: only 2x
+    assert comparison.saturated and not comparison.same_throughput  # static fell behind: 2x
+    assert compare(continuous_at(52.0), *reports()[1:]).same_throughput  # 52 against static's 50
+    assert comparison.targets == {  # ITL has no target; normalized latency is only 2.5x better
+        "P99 TTFT at least 3x better": True, "P99 normalized latency at least 3x better": False,
+        "fast-lane P99 TTFT at most 1/4 of the normal lane's, saturated": True,
+        "normal lane loses at most 10% throughput": True}
+
+
+def continuous_at(tokens_per_s: float) -> Report:
+    return report({ALL: lane(tokens_per_s, ttft_p99=1.0, itl_p99=0.05, e2e_p99=2.0, normalized_p99=0.1)})
+
+
+def test_the_itl_slo_against_none_and_its_targets():
+    without = report({ALL: lane(100.0, itl_p99=0.9, itl_p50=0.05)})
+    within = report({ALL: lane(95.0, itl_p99=0.14, itl_p50=0.05)})
+    comparison = compare_slo(without, within, 0.1)
+    assert comparison.throughput_loss == pytest.approx(0.05)
+    assert comparison.without_slo.itl_p99_to_median == pytest.approx(18.0)
+    assert comparison.with_slo.itl_p99_to_median == pytest.approx(2.8)
+    assert list(comparison.targets.values()) == [True, True, True]
+    over = compare_slo(without, report({ALL: lane(85.0, itl_p99=0.16, itl_p50=0.05)}), 0.1)
+    assert list(over.targets.values()) == [False, False, False]  # 1.6x the SLO, 3.2x the median, 15% lost
+
+
+def test_normalized_latency_and_the_request_rows_a_figure_is_recomputed_from(tmp_path):
+    run = made_up_run()
+    report = summarize(run)
+    # e2e / tokens: 1 s / 4 tokens, 2 s / 2 tokens
+    assert (report.lanes["fast"].normalized_s.p50, report.lanes["normal"].normalized_s.p50) == pytest.approx((0.25, 1.0))
+    write_requests(tmp_path / "run.requests.jsonl", run)
+    rows = [json.loads(line) for line in (tmp_path / "run.requests.jsonl").read_text().splitlines()]
+    assert [row["request_id"] for row in rows] == ["a", "b", "c"]
+    fast, normal, refused = rows
+    assert (fast["lane"], fast["arrival_s"], fast["first_token_s"], fast["finish_s"], fast["output_tokens"]) == \
+        ("fast", 0.0, 0.5, 1.0, 4)
+    assert fast["token_events"] == [[0.5, 1], [0.7, 1], [1.0, 2]] and fast["finish_reason"] == "length"
+    assert (refused["first_token_s"], refused["finish_s"], refused["error"]) == (None, None,
+                                                                               "refused: the normal lane is full")
+    recomputed = [(row["finish_s"] - row["arrival_s"]) / row["output_tokens"] for row in (fast, normal)]
+    assert recomputed == pytest.approx([report.lanes["fast"].normalized_s.p50, report.lanes["normal"].normalized_s.p50])
 
 
 def test_the_fast_lane_target_needs_a_saturated_worker():
@@ -305,25 +348,44 @@ def test_a_sweep_end_to_end(tmp_path):
 
 
 def test_compare_runs_both_policies_and_the_fast_lane_saturated_and_not(tmp_path):
-    # No --rate: the policies get half of the capacity the saturated run measured.
+    # No --rate: the policies get half of the capacity the saturated static run measured.
     out = load("compare", *TINY, "--count", "10", "--saturated-rate", "40", "--fast-share", "0.3",
                "--load-share", "0.5", "--out", str(tmp_path))
     assert "continuous vs static" in out and "target: P99 TTFT at least 3x better" in out
+    assert "target: P99 normalized latency at least 3x better" in out
     written = json.loads((tmp_path / "compare.json").read_text())
     runs = written["runs"]
-    assert list(runs) == ["saturated", "saturated, normal lane alone", "continuous", "static"]
-    assert [runs[name]["lanes"]["all"]["requests"] for name in ("continuous", "static", "saturated")] == [10] * 3
+    assert list(runs) == ["saturated", "saturated, normal lane alone", "static, saturated", "continuous", "static"]
+    assert [runs[name]["lanes"]["all"]["requests"] for name in ("continuous", "static", "saturated",
+                                                                "static, saturated")] == [10] * 4
     assert all(run["lanes"]["all"]["failed"] == 0 for run in runs.values())
-    assert runs["saturated"]["offered_rate"] == pytest.approx(40)
-    capacity = runs["saturated"]["lanes"]["all"]["finished"] / runs["saturated"]["duration_s"]
+    assert runs["saturated"]["offered_rate"] == runs["static, saturated"]["offered_rate"] == pytest.approx(40)
+    capacity = runs["static, saturated"]["lanes"]["all"]["finished"] / runs["static, saturated"]["duration_s"]
     assert runs["continuous"]["offered_rate"] == pytest.approx(0.5 * capacity)
     assert runs["static"]["offered_rate"] == pytest.approx(0.5 * capacity)
+    for name in ("saturated", "saturated-normal-lane-alone", "static-saturated", "continuous", "static"):
+        rows = [json.loads(line) for line in (tmp_path / f"{name}.requests.jsonl").read_text().splitlines()]
+        assert len(rows) == 10 - (name == "saturated-normal-lane-alone") * runs["saturated"]["lanes"]["fast"]["requests"]
     alone = runs["saturated, normal lane alone"]["lanes"]
     assert list(alone) == ["all", "normal"] and alone["normal"]["requests"] == runs["saturated"]["lanes"]["normal"][
         "requests"]
     assert written["comparison"]["throughput_ratio"] > 0 and written["comparison"]["ttft_p99_ratio"] > 0
     for plot in ("latency_cdfs.png", "token_timeline.png"):
         assert (tmp_path / plot).read_bytes().startswith(PNG)
+
+
+def test_slo_runs_the_worker_with_and_without_it_at_the_same_load(tmp_path):
+    # --rate given: no saturated run to measure the capacity (compare's test covers that path)
+    out = load("slo", *TINY, "--itl-slo-ms", "50", "--count", "8", "--rate", "20", "--out", str(tmp_path))
+    assert "the ITL SLO against none" in out and "target: P99 ITL at most 1.5x the SLO" in out
+    written = json.loads((tmp_path / "slo.json").read_text())
+    runs = written["runs"]
+    assert list(runs) == ["no SLO", "SLO"]
+    assert all(run["lanes"]["all"]["failed"] == 0 and run["lanes"]["all"]["requests"] == 8 for run in runs.values())
+    assert runs["no SLO"]["offered_rate"] == runs["SLO"]["offered_rate"]
+    assert written["comparison"]["itl_slo_s"] == 0.05 and set(written["comparison"]["targets"]) == {
+        "P99 ITL at most 1.5x the SLO", "P99 ITL at most 3x the median ITL", "at most 10% of the throughput lost"}
+    assert all((tmp_path / f"{name}.requests.jsonl").exists() for name in ("no-slo", "slo"))
 
 
 def test_each_request_direct_and_through_the_gateway_end_to_end(tmp_path):

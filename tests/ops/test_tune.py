@@ -1,49 +1,17 @@
-"""The SLO tuner: the cost-model fit, the SLO check, the search on the simulator, and one small run
-of `python -m ops.tune` on the tiny random model against a private worker."""
+"""The SLO tuner: the SLO check, the search on the simulator, and one small run of `python -m ops.tune`
+on the tiny random model against a private worker (the cost model's fit: tests/engine/test_cost_model.py)."""
 
 import json
 import random
 
 import pytest
 
-from ops.cost_model import Calibration, StepSample, fit
+from ops.cost_model import Calibration
 from ops.load.report import summarize
 from ops.load.trace import TraceRequest
 from ops.tune import (HIGHEST_LOAD, SLO, Figures, Outcome, Setting, candidates, chosen, grid, highest_load, main,
                       ratios, search, simulated_run)
-from worker.engine.simulator import CostModel
-
-TRUE_COST = CostModel(fixed_s=0.005, per_token_s=3e-5, per_kv_read_s=2e-7)
-
-
-def shapes(count: int, seed: int = 0) -> list[tuple[int, int]]:
-    rng = random.Random(seed)
-    return [(rng.randint(1, 2048), rng.randint(1, 200_000)) for _ in range(count)]
-
-
-def coefficients(cost: CostModel) -> tuple[float, float, float]:
-    return cost.fixed_s, cost.per_token_s, cost.per_kv_read_s
-
-
-def test_fit_recovers_known_coefficients_from_exact_samples():
-    samples = [StepSample(tokens, reads, TRUE_COST.time_of(tokens, reads)) for tokens, reads in shapes(200)]
-    assert coefficients(fit(samples)) == pytest.approx(coefficients(TRUE_COST), rel=1e-6)
-
-
-def test_fit_is_not_pulled_off_by_steps_that_stalled_waiting_for_a_core():
-    samples = [StepSample(tokens, reads, TRUE_COST.time_of(tokens, reads) * (3 if i % 20 == 0 else 1))
-               for i, (tokens, reads) in enumerate(shapes(400))]  # 5% of the steps took 3x as long
-    assert coefficients(fit(samples)) == pytest.approx(coefficients(TRUE_COST), rel=1e-6)
-    assert coefficients(fit(samples, trim=0)) != pytest.approx(coefficients(TRUE_COST), rel=0.05)
-
-
-def test_fit_never_gives_a_negative_cost():
-    # the samples say reading KV saves time: least squares alone would give it a negative cost
-    samples = [StepSample(tokens, reads, 0.01 + 1e-4 * tokens - 1e-8 * reads) for tokens, reads in shapes(100)]
-    cost = fit(samples)
-    assert cost.per_kv_read_s == 0
-    assert cost.fixed_s >= 0 and cost.per_token_s > 0
-
+from worker.engine.cost_model import CostModel
 
 @pytest.mark.parametrize("figures, met", [
     (Figures(10.0, 0.8, 0.1, 0), True),  # on the bounds

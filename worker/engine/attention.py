@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from worker.engine import kernels
+from worker.engine.block_tables import StepTables
 from worker.engine.config import AttentionBackend
+from worker.engine.host_copy import to_device
 
 ATTN_IMPLEMENTATION = "streambatch_paged"
 # Padded context tokens per batched decode call, per device type (see the module docstring).
@@ -80,7 +82,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each new token in its sequence
     query_start_loc: torch.Tensor  # [S+1] cu_seqlens of the new tokens
     seq_lens: torch.Tensor  # [S] context length after this step
-    block_tables: torch.Tensor  # [S, max_blocks] physical block ids, padded with 0
+    block_tables: torch.Tensor  # [S, width] physical block ids (columns past a sequence's blocks: any block)
     logits_rows: torch.Tensor  # [S] row of each sequence's last new token
     block_size: int
     max_query_len: int
@@ -103,92 +105,106 @@ class AttentionMetadata:
     def is_all_decode(self) -> bool:
         return self.max_query_len == 1
 
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
     @classmethod
     def build(
         cls,
         num_computed: Sequence[int],
         num_new: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]] | StepTables,
         block_size: int,
         device: torch.device | str = "cpu",
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         decode_group_tokens: int | None = None,
         backend: AttentionBackend | None = None,
+        sampling: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         """Plain Python per-sequence data -> tensors. Sequence i's new tokens take positions
-        num_computed[i] .. num_computed[i] + num_new[i] - 1. decode_group_tokens caps the padded
-        context of one batched decode call (default: DECODE_GROUP_TOKENS[device type]).
+        num_computed[i] .. num_computed[i] + num_new[i] - 1; its blocks are block_tables[i] (lists,
+        checked here, or the rows of a runner's persistent tables). decode_group_tokens caps the
+        padded context of one batched decode call (default: DECODE_GROUP_TOKENS[device type]).
         backend (default: default_backend(device)): "native" writes new K/V and reads decodes straight
-        from the cache with the C++ kernels, padding nothing, so all decodes form one group."""
+        from the cache with the C++ kernels, padding nothing, so all decodes form one group.
+        `sampling`: the sequences whose last token gets logits (default all)."""
         backend = backend or default_backend(device)
+        device = torch.device(device)
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}: choose from {', '.join(BACKENDS)}")
-        if not (len(num_computed) == len(num_new) == len(block_tables)) or not num_new:
+        if not (len(num_computed) == len(num_new)) or not num_new:
             raise ValueError("num_computed, num_new and block_tables need one entry per sequence (at least one)")
         seq_lens = [c + n for c, n in zip(num_computed, num_new)]
-        for i, (n, length, table) in enumerate(zip(num_new, seq_lens, block_tables)):
-            if n < 1 or len(table) * block_size < length:
-                raise ValueError(f"sequence {i}: {n} new tokens, context {length}, {len(table)} blocks of {block_size}")
+        if not isinstance(block_tables, StepTables):
+            if len(block_tables) != len(num_new):
+                raise ValueError("num_computed, num_new and block_tables need one entry per sequence")
+            for i, (n, length, table) in enumerate(zip(num_new, seq_lens, block_tables)):
+                if n < 1 or len(table) * block_size < length:
+                    raise ValueError(f"sequence {i}: {n} new tokens, context {length}, {len(table)} blocks "
+                                     f"of {block_size}")
+            block_tables = StepTables.of(block_tables, device)
         query_start_loc = [0]
         for n in num_new:
             query_start_loc.append(query_start_loc[-1] + n)
-        # Index math on the host (small tensors), then one copy of each to the device.
-        tables = padded_tables(block_tables)
+        # Index math on the host (small tensors), then one copy of them all to the device.
         new = torch.tensor(num_new)
         seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), new)
         starts = torch.tensor(query_start_loc[:-1])
         positions = torch.arange(query_start_loc[-1]) - starts[seq_of_token] + torch.tensor(num_computed)[seq_of_token]
-        slots = slot_mapping(tables, seq_of_token, positions, block_size)
+        rows = torch.tensor(block_tables.rows)
+        slots = block_tables.host[rows[seq_of_token], positions // block_size] * block_size + positions % block_size
+        logits_rows = torch.tensor(query_start_loc[1:]) - 1
+        if sampling is not None:
+            logits_rows = logits_rows[sampling]
+        slots, positions, query_start_loc_t, seq_lens_t, logits_rows, device_rows = to_device(
+            device, slots, positions, torch.tensor(query_start_loc), torch.tensor(seq_lens), logits_rows, rows)
 
-        # Torch path: decodes sorted by length and cut into groups of bounded padded size: less
-        # padding, and on CPU each group's gathered K/V stays in cache between gather and attention.
-        cap = decode_group_tokens or DECODE_GROUP_TOKENS.get(torch.device(device).type, DECODE_GROUP_TOKENS["cpu"])
-        decodes = [i for i, n in enumerate(num_new) if n == 1 and backend != "triton"]
-        if backend == "native":  # no padding: one group, in row order
-            cap = float("inf")
-        else:
-            decodes.sort(key=seq_lens.__getitem__)
-        groups: list[list[int]] = [[]]
-        for i in decodes:
-            padded = -(-seq_lens[i] // block_size) * block_size  # i is the longest of its group so far
-            if groups[-1] and (len(groups[-1]) + 1) * padded > cap:
-                groups.append([])
-            groups[-1].append(i)
-        prefills = [
-            PrefillChunk(
-                query_start_loc[i], query_start_loc[i + 1], num_computed[i], seq_lens[i],
-                tables[i, : -(-seq_lens[i] // block_size)].to(device),
-            )
-            for i, n in enumerate(num_new) if n > 1 and backend != "triton"
-        ]
-        to = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        decode_groups, prefills = [], []
+        if backend != "triton":  # one launch reads the tensors above; the other backends loop over these
+            tables = block_tables.host.index_select(0, rows)
+            # Decodes sorted by length and cut into groups of bounded padded size: less padding, and on
+            # CPU each group's gathered K/V stays in cache between gather and attention.
+            cap = decode_group_tokens or DECODE_GROUP_TOKENS.get(device.type, DECODE_GROUP_TOKENS["cpu"])
+            decodes = [i for i, n in enumerate(num_new) if n == 1]
+            if backend == "native":  # no padding: one group, in row order
+                cap = float("inf")
+            else:
+                decodes.sort(key=seq_lens.__getitem__)
+            groups: list[list[int]] = [[]]
+            for i in decodes:
+                padded = -(-seq_lens[i] // block_size) * block_size  # i is the longest of its group so far
+                if groups[-1] and (len(groups[-1]) + 1) * padded > cap:
+                    groups.append([])
+                groups[-1].append(i)
+            decode_groups = [cls._decode_group(g, starts, tables, seq_lens, block_size, device) for g in groups if g]
+            prefills = [PrefillChunk(query_start_loc[i], query_start_loc[i + 1], num_computed[i], seq_lens[i],
+                                     tables[i, : -(-seq_lens[i] // block_size)].to(device))
+                        for i, n in enumerate(num_new) if n > 1]
         return cls(
-            slot_mapping=to(slots),
-            positions=to(positions),
-            query_start_loc=to(torch.tensor(query_start_loc)),
-            seq_lens=to(torch.tensor(seq_lens)),
-            block_tables=to(tables),
-            logits_rows=to(torch.tensor(query_start_loc[1:]) - 1),
+            slot_mapping=slots,
+            positions=positions,
+            query_start_loc=query_start_loc_t,
+            seq_lens=seq_lens_t,
+            block_tables=block_tables.on_device.index_select(0, device_rows),
+            logits_rows=logits_rows,
             block_size=block_size,
             max_query_len=max(num_new),
             max_seq_len=max(seq_lens),
             seq_lens_list=seq_lens,
             query_start_loc_list=query_start_loc,
-            decode_groups=[cls._decode_group(g, starts, tables, seq_lens, block_size, to) for g in groups if g],
+            decode_groups=decode_groups,
             prefills=prefills,
             backend=backend,
             kv_caches=kv_caches if kv_caches is not None else [],
         )
 
     @staticmethod
-    def _decode_group(seqs, starts, tables, seq_lens, block_size, to) -> DecodeGroup:
+    def _decode_group(seqs, starts, tables, seq_lens, block_size, device) -> DecodeGroup:
         max_blocks = -(-max(seq_lens[i] for i in seqs) // block_size)
-        return DecodeGroup(
-            rows=to(starts[seqs]),
-            blocks=to(tables[seqs, :max_blocks].flatten()),
-            seq_lens=to(torch.tensor([seq_lens[i] for i in seqs])),
-            max_blocks=max_blocks,
-        )
+        rows, blocks, lengths = to_device(device, starts[seqs], tables[seqs, :max_blocks].flatten(),
+                                          torch.tensor([seq_lens[i] for i in seqs]))
+        return DecodeGroup(rows=rows, blocks=blocks, seq_lens=lengths, max_blocks=max_blocks)
 
     def _visible(self, key: object, q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
         """Bool mask [*q_pos.shape, kv_len]: key j is visible to a query at position p iff
@@ -203,43 +219,41 @@ class AttentionMetadata:
         return mask
 
 
-def padded_tables(block_tables: Sequence[Sequence[int]], num_rows: int | None = None) -> torch.Tensor:
-    """Block tables -> a host tensor [num_rows (default: one per table), longest table], padded with
-    block 0 (read only past a sequence's length, which no kernel does)."""
-    width = max(len(table) for table in block_tables)
-    rows = [list(table) + [0] * (width - len(table)) for table in block_tables]
-    return torch.tensor(rows + [[0] * width] * ((num_rows or len(rows)) - len(rows)), dtype=torch.long)
-
-
-def slot_mapping(tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The flat cache slot of each token: sequence `rows[i]`'s position `positions[i]`, through `tables`."""
-    return tables[rows, positions // block_size] * block_size + positions % block_size
-
-
-def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple, tuple]:
-    """Per layer (K shape, V shape). Keys are stored per block and head as a [head_dim,
-    block_size] tile, so that decode attention computes q.k across positions with no horizontal
-    sums (the native kernel's inner loop); values as [block_size, head_dim]."""
-    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    backend: AttentionBackend) -> tuple[tuple, tuple]:
+    """Per layer (K shape, V shape). Values are stored per block and head as [block_size, head_dim],
+    and so are keys, except for the native kernel: it keeps each block's keys as a [head_dim,
+    block_size] tile, so that decode attention computes q.k across positions with no horizontal sums
+    (its inner loop). On a GPU that layout would load keys two bytes at a time (triton_attention.py)."""
+    values = (num_blocks, num_kv_heads, block_size, head_dim)
+    if backend == "native":
+        return (num_blocks, num_kv_heads, head_dim, block_size), values
+    return values, values
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
              key: torch.Tensor, value: torch.Tensor) -> None:
-    """key/value [T, kv_heads, head_dim] of T new tokens into their (block, offset) slots."""
-    k_cache[blocks, :, :, offsets] = key
+    """key/value [T, kv_heads, head_dim] of T new tokens into their (block, offset) slots (the torch
+    backend's layout: both [blocks, kv_heads, block_size, head_dim])."""
+    k_cache[blocks, :, offsets] = key
     v_cache[blocks, :, offsets] = value
 
 
-def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-            length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, length: int | None = None,
+            backend: AttentionBackend = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [n, kv_heads, positions, head_dim] of n sequences, gathered through their block
-    tables [n, blocks] (positions = blocks * block_size, or the first `length`)."""
+    tables [n, blocks] (positions = blocks * block_size, or the first `length`) from caches laid out
+    for `backend` (kv_cache_shapes)."""
     n, num_blocks = tables.shape
-    _, kv_heads, head_dim, block_size = k_cache.shape
+    _, kv_heads, block_size, head_dim = v_cache.shape
     flat = tables.flatten()
-    k = k_cache.index_select(0, flat).view(n, num_blocks, kv_heads, head_dim, block_size).permute(0, 2, 1, 4, 3)
-    v = v_cache.index_select(0, flat).view(n, num_blocks, kv_heads, block_size, head_dim).transpose(1, 2)
     shape = (n, kv_heads, num_blocks * block_size, head_dim)
+    k = k_cache.index_select(0, flat)
+    if backend == "native":
+        k = k.view(n, num_blocks, kv_heads, head_dim, block_size).permute(0, 2, 1, 4, 3)
+    else:
+        k = k.view(n, num_blocks, kv_heads, block_size, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(n, num_blocks, kv_heads, block_size, head_dim).transpose(1, 2)
     return k.reshape(shape)[:, :, :length], v.reshape(shape)[:, :, :length]
 
 
@@ -323,8 +337,10 @@ def attend(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
         from worker.engine import triton_attention
 
         triton_attention.write_kv(k_cache, v_cache, meta.slot_mapping, new_keys, new_values)
+        segments = triton_attention.num_segments(meta.num_seqs, num_kv_heads, meta.is_all_decode, query.device)
         return triton_attention.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, meta.query_start_loc,
-                                                meta.seq_lens, meta.block_tables, scaling, sliding_window)[None]
+                                                meta.seq_lens, meta.block_tables, scaling, sliding_window,
+                                                segments)[None]
     if meta.backend == "native":
         kernels.write_kv(k_cache, v_cache, meta.slot_mapping, new_keys, new_values)
     else:
@@ -345,7 +361,7 @@ def attend(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
             continue
         # Heads h = kv*group + j share KV head kv: fold the group into the query axis (no K/V repeat).
         q = query[0].transpose(0, 1).index_select(0, decodes.rows).view(n, num_kv_heads, group, head_dim)
-        k, v = read_kv(k_cache, v_cache, decodes.blocks.view(n, -1))
+        k, v = read_kv(k_cache, v_cache, decodes.blocks.view(n, -1), backend=meta.backend)
         mask = meta._visible(("decode", g), decodes.seq_lens - 1, kv_len, sliding_window)[:, None, None, :]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         out.index_copy_(0, decodes.rows, o.reshape(n, num_heads, head_dim))
@@ -359,7 +375,7 @@ def attend(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
                 is_causal=True, scale=scaling, enable_gqa=True,
             )
         else:
-            k, v = read_kv(k_cache, v_cache, chunk.blocks[None], chunk.seq_len)
+            k, v = read_kv(k_cache, v_cache, chunk.blocks[None], chunk.seq_len, meta.backend)
             q_pos = torch.arange(chunk.num_computed, chunk.seq_len, device=query.device)
             mask = meta._visible(i, q_pos, chunk.seq_len, sliding_window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)

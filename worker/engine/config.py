@@ -19,7 +19,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: int = 2 << 30  # bytes of K and V for all layers, on each tensor-parallel rank
+    # Bytes of K and V for all layers, on each tensor-parallel rank. None: on CUDA what is free once the
+    # model is loaded, less a headroom (models.kv_cache_memory); on the CPU 2 GiB.
+    kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the model forward (compiled.py): faster steps, a minute to compile
     attention_backend: AttentionBackend | None = None  # None: attention.default_backend(device)
@@ -40,7 +42,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"max_step_failures must be >= 1, got {self.max_step_failures}")
         if self.cuda_graph_max_seqs < 0:
             raise ValueError(f"cuda_graph_max_seqs must be >= 0, got {self.cuda_graph_max_seqs}")
-        if self.kv_cache_memory < 1:
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")

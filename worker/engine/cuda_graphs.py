@@ -13,6 +13,11 @@ grid sized by tensor shapes, so one AttentionMetadata per captured size (views o
 serves every replay. The torch backend loops in Python over decode groups and cannot be.
 `capture=False` keeps the buffers and padding but runs the forward eagerly: the CPU tests' way to
 check everything here but the capture itself.
+
+A step's inputs reach the buffers in one asynchronous copy from pinned memory, and its block tables
+are gathered on the device from the runner's persistent tables (block_tables.py). Every captured
+size writes its logits into one buffer [max_seqs, vocab]: a graph's own output would stay allocated
+for as long as the graph lives (560 MB over 20 sizes for Llama-3-8B's vocabulary).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from worker.engine.attention import AttentionMetadata, padded_tables, slot_mapping
+from worker.engine.attention import AttentionMetadata
+from worker.engine.block_tables import StepTables
 
 BATCH_SIZES = (1, 2, 4, 8, *range(16, 1025, 16))  # as nano-vllm: fine steps where padding costs most
 
@@ -39,13 +45,13 @@ class DecodeGraphs:
         self.forward = forward
         device = torch.device(device)
         size = self.sizes[-1]
-        as_long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(size, **as_long)
-        self.positions = torch.zeros(size, **as_long)
-        self.slots = torch.full((size,), -1, **as_long)
-        self.seq_lens = torch.ones(size, **as_long)
-        self.block_tables = torch.zeros(size, max_blocks_per_seq, **as_long)
-        query_start_loc = torch.arange(size + 1, **as_long)  # one new token per row, whatever the step
+        # input ids, positions, slots, context lengths and persistent-table rows: one row each, one copy in
+        self.inputs = torch.zeros(5, size, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slots, self.seq_lens, self.rows = self.inputs
+        self.slots.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.long, device=device)
+        query_start_loc = torch.arange(size + 1, dtype=torch.long, device=device)  # one new token per row
         self.metadata = {
             n: AttentionMetadata(
                 slot_mapping=self.slots[:n], positions=self.positions[:n],
@@ -56,7 +62,8 @@ class DecodeGraphs:
             )
             for n in self.sizes
         }
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits: torch.Tensor | None = None  # [max_seqs, vocab], made by the first forward
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture()
 
@@ -64,43 +71,46 @@ class DecodeGraphs:
     def max_seqs(self) -> int:
         return self.sizes[-1]
 
+    def _forward(self, n: int) -> None:
+        logits = self.forward(self.input_ids[:n], self.metadata[n])
+        if self.logits is None:
+            self.logits = logits.new_empty(self.max_seqs, logits.shape[1])
+        self.logits[:n].copy_(logits)
+
     @torch.inference_mode()
     def _capture(self) -> None:
         """Largest first, all in one memory pool: a smaller graph reuses the larger one's memory."""
         pool = None
         for n in reversed(self.sizes):
-            self.forward(self.input_ids[:n], self.metadata[n])  # warm-up: Triton compiles, cuBLAS picks
+            self._forward(n)  # warm-up: Triton compiles, cuBLAS picks; the first makes the logits buffer
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(self.input_ids[:n], self.metadata[n])
+                self._forward(n)
             pool = graph.pool()
-            self.graphs[n] = (graph, logits)
+            self.graphs[n] = graph
         torch.cuda.synchronize()
 
-    def run(self, input_ids: Sequence[int], num_computed: Sequence[int],
-            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def run(self, input_ids: Sequence[int], num_computed: Sequence[int], tables: StepTables) -> torch.Tensor:
         """One decode per sequence: its token input_ids[i] at position num_computed[i], its blocks
-        block_tables[i] -> logits [len(input_ids), vocab]."""
+        in row tables.rows[i] -> logits [len(input_ids), vocab] (a view of the shared buffer)."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        # Only the columns this step's tables fill are copied: a row's later columns may hold an
-        # earlier step's blocks, which attention never reads (nothing past a sequence's length).
-        tables = padded_tables(block_tables, size)
-        positions = torch.tensor(num_computed, dtype=torch.long)
-        slots = torch.full((size,), -1, dtype=torch.long)
-        slots[:n] = slot_mapping(tables, torch.arange(n), positions, self.block_size)
-        seq_lens = torch.ones(size, dtype=torch.long)
-        seq_lens[:n] = positions + 1
-        # Rows up to `size`: the padding rows a larger step left are reset too.
-        self.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:size].copy_(slots, non_blocking=True)
-        self.seq_lens[:size].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:size, :tables.shape[1]].copy_(tables, non_blocking=True)
+        host = torch.zeros(5, self.max_seqs, dtype=torch.long)  # every row: one contiguous copy
+        host[2].fill_(-1)  # padding rows: the ones a larger step left are reset too
+        host[3].fill_(1)
+        rows, positions = torch.tensor(tables.rows), torch.tensor(num_computed)
+        host[0, :n] = torch.tensor(input_ids)
+        host[1, :n] = positions
+        host[2, :n] = tables.host[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        host[3, :n] = positions + 1
+        host[4, :n] = rows
+        if self.inputs.device.type == "cuda":
+            host = host.pin_memory()
+        self.inputs.copy_(host, non_blocking=True)
+        torch.index_select(tables.on_device, 0, self.rows[:n], out=self.block_tables[:n])
         if self.graphs:
-            graph, logits = self.graphs[size]
-            graph.replay()
+            self.graphs[size].replay()
         else:
-            logits = self.forward(self.input_ids[:size], self.metadata[size])
-        return logits[:n]
+            self._forward(size)
+        return self.logits[:n]

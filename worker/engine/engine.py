@@ -16,6 +16,12 @@ one blamed, and once in `max_step_failures` failed steps it is ended with an err
 Pinned prefixes (`pin` / `unpin`, by name) keep a prefix's whole KV blocks resident once a
 request has computed them; the fresh pool of a recovery pins them again.
 
+With an ITL SLO (`scheduler.itl_slo_ms`) the engine fits its step cost model at start-up
+(calibration.py: CALIBRATION_STEPS steps of varied shapes, seconds on a GPU, about 15 s
+of SmolLM2 on 2 CPU cores), then keeps it current while it serves (cost_model.LiveCosts: the
+machine's speed from its latest steps, the worker's publish round trip from the gaps between
+them), and its scheduler sizes every step's prefill share with it.
+
 With `tensor_parallel` N > 1 this process is rank 0 of N (parallel.py): all of the above happens
 here alone, once per step, and the runner sends each step's inputs to the other ranks, which
 compute their share of the model (sharding.py). A forward that fails there is the one failure not
@@ -34,14 +40,15 @@ import msgspec
 import torch
 
 from producer.protocol import Lane, SamplingParams
-from worker.engine import kernels
+from worker.engine import calibration, kernels
 from worker.engine.blocks import BlockPool
 from worker.engine.config import EngineConfig
+from worker.engine.cost_model import LiveCosts, kv_reads, sampled_rows
 from worker.engine.detok import IncrementalDetokenizer
-from worker.engine.fairness import TenantShare
 from worker.engine.disk_cache import Phase, quiet
+from worker.engine.fairness import TenantShare
 from worker.engine.inputs import PromptError, PromptTooLong, check_token_ids, encode_prompt
-from worker.engine.models import ModelInfo, load_model, num_blocks_for_memory
+from worker.engine.models import ModelInfo, kv_cache_memory, load_model, num_blocks_for_memory
 from worker.engine.outputs import RequestOutput, timings_of, token_logprob, usage_of
 from worker.engine.parallel import Ranks, load_shard, rank_device
 from worker.engine.plan import StepPlan
@@ -52,6 +59,7 @@ from worker.engine.sequence import FinishReason, Sequence
 
 
 log = logging.getLogger(__name__)
+CALIBRATION_STEPS = 96  # steps an engine with an ITL SLO times at start-up for its cost model
 
 
 @dataclass
@@ -85,10 +93,11 @@ class Engine:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.info = ModelInfo.from_model(model, tokenizer).per_rank(ranks)  # the KV cache holds this rank's heads
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
-        self.num_blocks = config.num_blocks or num_blocks_for_memory(config.kv_cache_memory, self.info,
-                                                                     config.block_size)
+        self.num_blocks = config.num_blocks or num_blocks_for_memory(
+            config.kv_cache_memory or kv_cache_memory(device), self.info, config.block_size)
         self.pins: dict[str, list[int]] = {}  # name -> the pinned prefix's token ids, whole blocks
         self.tenant_shares: dict[str, TenantShare] = {}  # weights and running caps (set_tenants)
+        self.costs: LiveCosts | None = None  # with an ITL SLO, once calibrated
         self._new_scheduler()
         self.ranks: Ranks | None = None
         if ranks > 1:
@@ -106,11 +115,19 @@ class Engine:
         self.suspects: deque[str] = deque()  # requests of failed steps, waiting to go back one by one
         self.on_probation: str | None = None  # the suspect back in the scheduler
         self.ended_outside: list[Sequence] = []  # suspects cancelled before going back
+        if config.scheduler.itl_slo_ms is not None:
+            on_phase(f"fitting the step cost model for the ITL SLO ({CALIBRATION_STEPS} steps of varied shapes)")
+            self.costs = LiveCosts(calibration.measure(self, CALIBRATION_STEPS))
+            self._new_scheduler()  # a fresh pool, and the SLO held from now on
 
     def _new_scheduler(self) -> None:
+        """A fresh scheduler and pool; under an ITL SLO, held to it once the cost model is fitted."""
         self.pool = BlockPool(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        scheduler_config = msgspec.structs.replace(self.config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, self.pool)
+        cost = self.costs.model if self.costs is not None else None
+        scheduler_config = msgspec.structs.replace(
+            self.config.scheduler, max_model_len=self.max_model_len,
+            itl_slo_ms=self.config.scheduler.itl_slo_ms if cost is not None else None)
+        self.scheduler = Scheduler(scheduler_config, self.pool, cost=cost)
         self.scheduler.set_tenants(self.tenant_shares)
         for token_ids in self.pins.values():
             self.pool.pin_prefix(token_ids)
@@ -220,6 +237,9 @@ class Engine:
 
     # --- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        if self.costs is not None:
+            self.costs.step_started(started)
         outputs = [self._final(seq, RequestOutput(seq.request_id)) for seq in self.ended_outside]
         self.ended_outside = []
         involved = set(self.requests)
@@ -228,8 +248,12 @@ class Engine:
             involved = set(self.scheduler.requests)  # until the plan says who is in the step
             plan = self.scheduler.schedule()
             involved = {seq.request_id for seq in plan.scheduled}
+            shape = (plan.num_tokens, kv_reads(plan), sampled_rows(plan)) if self.costs is not None else None
             self._run(plan, outputs)
             self._end_probation()
+            if self.costs is not None:  # before update() the plan's shape; now its time
+                self.costs.step_ended(*shape, started, time.perf_counter(), busy=self.has_unfinished)
+                self.scheduler.cost = self.costs.model
         except Exception as error:  # whatever broke, the engine and everyone else go on
             log.exception("engine step failed (%d requests in it); recomputing every request on a fresh "
                           "scheduler", len(involved))

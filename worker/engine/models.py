@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .attention import ATTN_IMPLEMENTATION, kv_cache_shapes
+from .attention import ATTN_IMPLEMENTATION, default_backend, kv_cache_shapes
+from .config import AttentionBackend
 from .disk_cache import Phase, build_once, cache_dir, quiet
 
 SMOLLM2_NAME = "smollm2-135m"
@@ -234,16 +235,38 @@ def smollm2_cache(on_phase: Phase = quiet, wait_s: float = 600) -> Path:
 
 
 def allocate_kv_cache(
-    info: ModelInfo, num_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device: str = "cpu"
+    info: ModelInfo, num_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device: str = "cpu",
+    backend: AttentionBackend | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), shaped by attention.kv_cache_shapes.
-    Zero-filled so memory is really committed at start-up (no page faults, or OOM, mid-serving)."""
+    """Per layer (k_cache, v_cache), shaped by attention.kv_cache_shapes for `backend` (default: the
+    device's). Zero-filled so memory is really committed at start-up (no page faults, or OOM, mid-serving)."""
     dtype = parse_dtype(dtype, device) if dtype is not None else info.dtype
-    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, info.num_kv_heads, info.head_dim)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, info.num_kv_heads, info.head_dim,
+                                       backend or default_backend(device))
     return [
         (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
         for _ in range(info.num_layers)
     ]
+
+
+CPU_KV_CACHE_MEMORY = 2 << 30
+# Of a GPU's memory, kept beside the weights and the KV cache: a step's activations (a prefill of the
+# token budget), the CUDA graphs' pool, the logits buffer, the allocator's slack (vLLM leaves 10% too).
+GPU_MEMORY_HEADROOM = 0.1
+
+
+def kv_cache_memory(device: torch.device | str) -> int:
+    """Bytes for the KV cache when none is configured: on CUDA what is free now (the model loaded)
+    less GPU_MEMORY_HEADROOM of the device's memory; on the CPU, CPU_KV_CACHE_MEMORY."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_KV_CACHE_MEMORY
+    free, total = torch.cuda.mem_get_info(device)
+    memory = free - int(GPU_MEMORY_HEADROOM * total)
+    if memory <= 0:
+        raise ValueError(f"no room for a KV cache on {device}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} "
+                         f"GiB once the model is loaded, {GPU_MEMORY_HEADROOM:.0%} of it kept as headroom")
+    return memory
 
 
 def num_blocks_for_memory(memory_bytes: int, info: ModelInfo, block_size: int, dtype: torch.dtype | str | None = None) -> int:

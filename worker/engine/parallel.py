@@ -2,7 +2,7 @@
 
 Rank 0 owns everything that decides: the scheduler (one chunk size and one preemption decision
 per step, for every rank), the block tables, sampling and the outputs. Each step its runner sends
-the step's StepInputs (plain ints: token ids, positions, block tables) to every other rank over a
+the step's StepInputs (plain ints: token ids, positions, block-table updates) to every other rank over a
 pipe, and every rank runs the same forward on its shard of the model (sharding.py), writing its KV
 heads into the same slots of a cache of the same geometry: one set of block tables serves all.
 The ranks meet only in the all-reduces of the row-parallel layers (torch.distributed: gloo on

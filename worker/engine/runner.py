@@ -6,7 +6,12 @@ one flattened row; attention finds each sequence's boundaries and KV through the
 AttentionMetadata built here from the sequences' block tables.
 
 A plan becomes StepInputs (plain ints) before anything is computed: under tensor parallelism
-rank 0 sends those to the other ranks (parallel.py), and every rank computes them alike.
+rank 0 sends those to the other ranks (parallel.py), and every rank computes them alike. Block
+tables travel as updates of the runners' persistent tables (block_tables.py): only the blocks each
+sequence gained since its row was last written.
+
+On a GPU nothing here makes the host wait for the device: the step's index tensors go over in one
+asynchronous copy from pinned memory (host_copy.py), and the sampler's read-back is the step's one sync.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import msgspec
 import torch
 
 from worker.engine.attention import AttentionMetadata, default_backend, run_model
+from worker.engine.block_tables import BlockTables, RowAssigner, TableUpdate
 from worker.engine.compiled import compile_forward
 from worker.engine.config import AttentionBackend, EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.disk_cache import Phase, quiet
+from worker.engine.host_copy import values_to_device
 from worker.engine.linear import fuse_projections, pack_linear_layers, packing_backend, packing_works
 from worker.engine.models import ModelInfo, allocate_kv_cache
 from worker.engine.plan import StepPlan
@@ -32,23 +39,28 @@ if TYPE_CHECKING:
 
 
 class StepInputs(msgspec.Struct, array_like=True, gc=False):
-    """What a step computes, per sequence: its new tokens start at position num_computed[i]."""
+    """What a step computes, per sequence: its new tokens start at position num_computed[i]; its
+    blocks are in row rows[i] of the persistent tables, which gain new_blocks[i] from column
+    table_starts[i] on."""
 
     input_ids: list[int]  # every sequence's new tokens, one after the other
     num_computed: list[int]
     num_new: list[int]
-    block_tables: list[list[int]]
+    rows: list[int]
+    table_starts: list[int]
+    new_blocks: list[list[int]]
     sampling: list[int]  # the sequences (indices) whose last new token gets logits
 
     @classmethod
-    def of(cls, plan: StepPlan) -> StepInputs:
+    def of(cls, plan: StepPlan, rows: RowAssigner) -> StepInputs:
         seqs = list(plan.scheduled)
         num_computed = [seq.num_computed_tokens for seq in seqs]
         input_ids: list[int] = []
         for seq, start, count in zip(seqs, num_computed, plan.scheduled.values()):
             input_ids.extend(seq.token_ids[start:start + count])
-        return cls(input_ids, num_computed, list(plan.scheduled.values()), [seq.block_table for seq in seqs],
-                   [i for i, seq in enumerate(seqs) if plan.samples(seq)])
+        tables = rows.update(seqs)
+        return cls(input_ids, num_computed, list(plan.scheduled.values()), tables.rows, tables.starts,
+                   tables.new_blocks, [i for i, seq in enumerate(seqs) if plan.samples(seq)])
 
 
 class ModelRunner:
@@ -65,7 +77,10 @@ class ModelRunner:
         self.attention_backend = attention_backend or default_backend(self.device)
         on_phase(f"allocating the KV cache ({num_blocks} blocks of {block_size} tokens, "
                  f"{num_blocks * info.kv_bytes_per_block(block_size) / 2**30:.2f} GiB)")
-        self.kv_caches = allocate_kv_cache(info, num_blocks, block_size, info.dtype, device)
+        self.kv_caches = allocate_kv_cache(info, num_blocks, block_size, info.dtype, device, self.attention_backend)
+        max_blocks = -(-(max_model_len or info.max_model_len) // block_size)
+        self.rows = RowAssigner()  # rank 0's; the other ranks get its decisions in StepInputs
+        self.tables = BlockTables(max_blocks, self.device)
         on_phase("preparing the model's linear layers")
         fuse_projections(model)
         # oneDNN's packed op does not lower into a graph with unbacked sizes: compiled, inductor's GEMM serves.
@@ -76,13 +91,17 @@ class ModelRunner:
         if compile:
             on_phase("compiling the model forward (minutes on a cold compile cache)")
             self._compile_now()
+        if self.attention_backend == "triton":  # every kernel variant compiled now, none mid-traffic
+            from worker.engine import triton_attention  # only this backend needs triton
+
+            on_phase("compiling the attention kernels")
+            triton_attention.warm_up(*self.kv_caches[0], info.num_heads, info.sliding_window)
         # Decode steps through fixed buffers, replayed from CUDA graphs on a GPU (eager elsewhere: tests).
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graph_max_seqs and self.attention_backend == "triton":
             capture = self.device.type == "cuda"
             if capture:
                 on_phase(f"capturing CUDA graphs of decode steps of up to {cuda_graph_max_seqs} sequences")
-            max_blocks = -(-(max_model_len or info.max_model_len) // block_size)
             self.decode_graphs = DecodeGraphs(self.forward, self.kv_caches, block_size, max_blocks,
                                               cuda_graph_max_seqs, self.device, capture)
 
@@ -97,20 +116,25 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         """-> (the sequences that sample this step, their next-token logits [rows, vocab])."""
-        seqs, inputs = list(plan.scheduled), StepInputs.of(plan)
+        seqs, inputs = list(plan.scheduled), StepInputs.of(plan, self.rows)
         logits = self.compute(inputs) if self.ranks is None else self.ranks.run(inputs, self.compute)
         return [seqs[i] for i in inputs.sampling], logits
 
     @torch.inference_mode()
     def compute(self, inputs: StepInputs) -> torch.Tensor:
         """One forward -> logits [rows of inputs.sampling, vocab] (no columns on a rank past 0)."""
-        graphs = self.decode_graphs
-        if graphs is not None and len(inputs.num_new) <= graphs.max_seqs and all(n == 1 for n in inputs.num_new):
-            return graphs.run(inputs.input_ids, inputs.num_computed, inputs.block_tables)[inputs.sampling]
-        meta = AttentionMetadata.build(inputs.num_computed, inputs.num_new, inputs.block_tables, self.block_size,
-                                       self.device, self.kv_caches, backend=self.attention_backend)
-        meta.logits_rows = meta.logits_rows[inputs.sampling]  # a mid-prompt chunk needs no logits
-        return self.forward(torch.tensor(inputs.input_ids, device=self.device), meta)
+        self.tables.apply(TableUpdate(inputs.rows, inputs.table_starts, inputs.new_blocks))
+        tables = self.tables.of_step(inputs.rows)
+        graphs, count = self.decode_graphs, len(inputs.num_new)
+        if graphs is not None and count <= graphs.max_seqs and len(inputs.input_ids) == count:
+            logits = graphs.run(inputs.input_ids, inputs.num_computed, tables)
+            if len(inputs.sampling) == count:
+                return logits
+            # a 1-token chunk in the middle of a prompt samples nothing
+            return logits.index_select(0, values_to_device(inputs.sampling, torch.long, self.device))
+        meta = AttentionMetadata.build(inputs.num_computed, inputs.num_new, tables, self.block_size, self.device,
+                                       self.kv_caches, backend=self.attention_backend, sampling=inputs.sampling)
+        return self.forward(values_to_device(inputs.input_ids, torch.long, self.device), meta)
 
 
 def runner_for(config: EngineConfig, model: torch.nn.Module, info: ModelInfo, num_blocks: int, max_model_len: int,

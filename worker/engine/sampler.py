@@ -5,6 +5,11 @@ top-k -> top-p -> min-p -> exponential race. Parameters become per-row tensors, 
 batch never borrows row 0's settings. Logprobs are those of the RAW model distribution
 (log-softmax before penalties, temperature and filters), as vLLM returns by default.
 
+On a GPU nothing here waits for the device until the results are read back, once: per-row
+parameters and row indices go over from pinned memory without blocking (host_copy.py), never as a
+tensor built from a list on the device or a list used as a device tensor's index (each of those a
+blocking copy: 6-10 per step with temperature, penalties or logprobs).
+
 Reproducibility: a seeded row's randomness is a pure function of (seed, position): a
 fresh generator per row, seeded from a mix of both, draws exponential noise over the
 whole vocabulary in token-id order. Batch neighbours, row order, preemption or a resume
@@ -19,6 +24,7 @@ from typing import Sequence
 import torch
 
 from producer.protocol import SamplingParams
+from worker.engine.host_copy import to_device, to_host, values_to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -58,7 +64,12 @@ def mix_seed(seed: int, position: int) -> int:
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return values_to_device(values, like.dtype, like.device).unsqueeze(1)
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Row numbers as an index tensor on `like`'s device."""
+    return values_to_device(rows, torch.long, like.device)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[SampleRequest]) -> None:
@@ -77,11 +88,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[SampleRequest]) -> None
     # On the host, where the ids are: unique's output size is data-dependent, a sync on a device.
     keys, inverse = torch.unique(torch.cat(keys), return_inverse=True)
     count = torch.zeros(len(keys), dtype=dtype).scatter_add_(0, inverse, torch.cat(in_output))  # output occurrences
-    keys, count = keys.to(device), count.to(device)
+    keys, count = to_device(device, keys, count)
     row = keys // vocab
 
     def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(r.params, name) for r in requests], dtype=dtype, device=device)[row]
+        return values_to_device([getattr(r.params, name) for r in requests], dtype, device)[row]
 
     flat = logits.view(-1)
     value = flat[keys]
@@ -101,8 +112,9 @@ def _filter(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor
     vocab = probs.shape[1]
     rows = [i for i, r in enumerate(requests) if 0 < (r.params.top_k or vocab) < vocab or r.params.top_p < 1.0]
     if rows:
-        probs[rows] = _top_k_top_p(probs[rows], [min(requests[i].params.top_k or vocab, vocab) for i in rows],
-                                   [requests[i].params.top_p for i in rows])
+        index = _index(rows, probs)
+        probs[index] = _top_k_top_p(probs[index], [min(requests[i].params.top_k or vocab, vocab) for i in rows],
+                                    [requests[i].params.top_p for i in rows])
     min_p = [r.params.min_p for r in requests]
     if any(p > 0 for p in min_p):
         probs = probs.masked_fill(probs < _column(min_p, probs) * probs.max(dim=1, keepdim=True).values, 0.0)
@@ -119,8 +131,8 @@ def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float], size
     if probs.device.type != "cpu":
         size = vocab
     size = min(vocab, max([size] + [k for k in top_k if k < vocab]))
-    k = torch.tensor(top_k, device=probs.device)
-    p = torch.tensor(top_p, device=probs.device)
+    k = values_to_device(top_k, torch.long, probs.device)
+    p = values_to_device(top_p, torch.float32, probs.device)
     head, ids = probs.topk(size, dim=1)
     rank = torch.arange(size, device=probs.device).unsqueeze(0)
     in_top_k = rank < k.unsqueeze(1)
@@ -144,7 +156,7 @@ def _exponential_noise(probs: torch.Tensor, requests: list[SampleRequest]) -> to
     uniform = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(requests) if r.effective_seed is None]
     if unseeded:  # no reproducibility promised: one draw from the global generator
-        uniform[unseeded] = torch.rand(len(unseeded), probs.shape[1], device=probs.device)
+        uniform[_index(unseeded, probs)] = torch.rand(len(unseeded), probs.shape[1], device=probs.device)
     for i, r in enumerate(requests):  # a per-row loop only for the seeded draw itself
         if r.effective_seed is not None:
             generator = torch.Generator(device=probs.device)
@@ -166,42 +178,50 @@ class DeviceSample:
 
 def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> SampleOutput:
     """Sample one token per row of `logits` [rows, vocab]; `logits` is not modified."""
-    return to_host(sample_on_device(logits, requests), requests)
+    return read_back(sample_on_device(logits, requests), requests)
 
 
 def sample_on_device(logits: torch.Tensor, requests: list[SampleRequest]) -> DeviceSample:
     """Everything but the copy to the host: no operation here waits on the device (none reads a
-    device value back), so a step's one sync is to_host's."""
+    device value back, none copies from pageable memory), so a step's one sync is read_back's."""
     if logits.dim() != 2 or logits.shape[0] != len(requests):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
     logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     wants_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    raw_logprobs = logits[wants_logprobs].log_softmax(dim=1) if wants_logprobs else None
+    logprob_rows = _index(wants_logprobs, logits) if wants_logprobs else None
+    raw_logprobs = logits[logprob_rows].log_softmax(dim=1) if wants_logprobs else None
 
     apply_penalties(logits, requests)
     tokens = logits.argmax(dim=1)  # what greedy rows keep (after penalties, like vLLM)
     rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if rows:
-        subset = [requests[i] for i in rows]
+        subset, index = [requests[i] for i in rows], _index(rows, logits)
         temperature = _column([r.params.temperature for r in subset], logits)
-        probs = _filter(logits[rows] / temperature, subset)
+        probs = _filter(logits[index] / temperature, subset)
         # Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p_t.
-        tokens[rows] = (probs / _exponential_noise(probs, subset)).argmax(dim=1)
+        tokens[index] = (probs / _exponential_noise(probs, subset)).argmax(dim=1)
     chosen = top = None
     if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, tokens[wants_logprobs].unsqueeze(1)).squeeze(1)
+        chosen = raw_logprobs.gather(1, tokens[logprob_rows].unsqueeze(1)).squeeze(1)
         n_max = max(requests[i].params.logprobs or 0 for i in wants_logprobs)
         top = raw_logprobs.topk(n_max, dim=1) if n_max else None
     return DeviceSample(tokens, wants_logprobs, chosen, top)
 
 
-def to_host(sampled: DeviceSample, requests: list[SampleRequest]) -> SampleOutput:
-    token_list = sampled.tokens.tolist()
+def read_back(sampled: DeviceSample, requests: list[SampleRequest]) -> SampleOutput:
+    """The step's one wait for the device: every result copied back together."""
+    results = [sampled.tokens]
+    if sampled.chosen_logprobs is not None:
+        results.append(sampled.chosen_logprobs)
+        if sampled.top_logprobs is not None:
+            results += sampled.top_logprobs
+    host = to_host(*results)
+    token_list = host[0].tolist()
     logprob_list: list[float | None] = [None] * len(requests)
     top_list: list[list[tuple[int, float]] | None] = [None] * len(requests)
     if sampled.chosen_logprobs is not None:
-        chosen = sampled.chosen_logprobs.tolist()
-        top_values, top_ids = (t.tolist() for t in sampled.top_logprobs) if sampled.top_logprobs else ([], [])
+        chosen = host[1].tolist()
+        top_values, top_ids = (t.tolist() for t in host[2:]) if sampled.top_logprobs else ([], [])
         for j, i in enumerate(sampled.wants_logprobs):
             n = requests[i].params.logprobs or 0
             logprob_list[i] = chosen[j]

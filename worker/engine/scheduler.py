@@ -6,6 +6,9 @@ The three decisions of a step, in the brief's order:
   2. the rest of the token budget goes to prefills (continued chunks, then admissions),
      split between the fast and normal lanes, unused share flowing to the other lane;
   3. the batch is whatever 1 and 2 produced: no fixed size, only budget and memory.
+Under an ITL SLO (config.itl_slo_ms) a step with decodes has a budget of its own: the decodes plus
+the prefill tokens that the cost model says keep the step's turn under the SLO, the fast lane's
+first (a step without decodes keeps the whole token budget).
 Pure Python: no torch, no redis. The runner executes the StepPlan; `update` applies
 the sampled tokens.
 """
@@ -18,6 +21,7 @@ from collections.abc import Callable, Mapping
 
 from producer.protocol import LANES, Lane, pick_lane
 from worker.engine.blocks import Block, BlockPool
+from worker.engine.cost_model import CostModel, kv_reads
 from worker.engine.fairness import TenantQueues, TenantShare, VirtualCounters
 from worker.engine.plan import StepPlan
 from worker.engine.scheduler_config import SchedulerConfig
@@ -27,10 +31,14 @@ from worker.engine.victims import pick_victim
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cost: CostModel | None = None) -> None:
+        """`cost`: what a step costs, for the ITL SLO (the engine's fitted model; needed with one)."""
+        if config.itl_slo_ms is not None and cost is None:
+            raise ValueError("an ITL SLO needs a cost model to size the steps with")
         self.config = config
         self.pool = pool
         self.clock = clock
+        self.cost = cost
         self.waiting: dict[Lane, TenantQueues] = {lane: TenantQueues() for lane in LANES}
         self.fair = VirtualCounters()
         self.running_by_tenant = Counter()
@@ -129,13 +137,16 @@ class Scheduler:
         self._schedule_decodes(plan)
         may_admit = self._may_admit()
         self.admission_refused = False
-        remaining = self.config.token_budget - plan.num_tokens
-        fast_has_work = bool(self.prefilling["fast"] or self.waiting["fast"])
-        fast_quota = int(remaining * self.config.fast_lane_share) if fast_has_work else 0
+        budget = self._step_budget(plan)
+        if budget < self.config.token_budget:  # held to the ITL SLO: the fast lane's prefills first
+            fast_quota = budget - plan.num_tokens
+        else:
+            fast_has_work = bool(self.prefilling["fast"] or self.waiting["fast"])
+            fast_quota = int((budget - plan.num_tokens) * self.config.fast_lane_share) if fast_has_work else 0
         self._fill_lane("fast", fast_quota, plan, may_admit)
-        self._fill_lane("normal", self.config.token_budget - plan.num_tokens, plan, may_admit)
+        self._fill_lane("normal", budget - plan.num_tokens, plan, may_admit)
         for lane in LANES:  # work-conserving: what one lane left, the other may take
-            self._fill_lane(lane, self.config.token_budget - plan.num_tokens, plan, may_admit)
+            self._fill_lane(lane, budget - plan.num_tokens, plan, may_admit)
         if not plan.scheduled and self.running:
             self._unstick(plan)
         if self.config.policy == "static":
@@ -144,6 +155,16 @@ class Scheduler:
                 self.admission_refused or not self._has_seat() or not self.num_waiting)
         self._track_preemption(plan)
         return plan
+
+    def _step_budget(self, plan: StepPlan) -> int:
+        """The token budget, or under an ITL SLO with decodes in the step, its decodes and the prefill
+        tokens that keep the step's turn within the SLO."""
+        slo_ms, budget = self.config.itl_slo_ms, self.config.token_budget
+        if slo_ms is None or not plan.scheduled:
+            return budget
+        decodes = plan.num_tokens  # each samples a row
+        allowance = self.cost.prefill_allowance(decodes, kv_reads(plan), decodes, slo_ms / 1000)
+        return min(budget, decodes + allowance)
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         # The hot loop at large batch sizes, so it is written out flat: each decode is one

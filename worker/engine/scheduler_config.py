@@ -47,6 +47,11 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # request (virtual token counters, weighted by the registry) and preempts the most-served
     # tenant's; "fifo" admits by arrival, whoever's.
     fairness: Fairness = "vtc"
+    # A ceiling on the inter-token latency of running requests (stall-free batching, as Sarathi-Serve
+    # does): a step that carries decodes takes only the prefill tokens that the engine's fitted cost
+    # model (cost_model.py) says keep its turn under this, the fast lane's first; a step without
+    # decodes takes the whole token budget. None: every step may take the whole budget.
+    itl_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -67,6 +72,7 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True):
              "watermark + cooldown_watermark must be in [0, 1)"),
             (self.calm_steps >= 0 and self.head_of_line_patience >= 1 and self.max_admission_skips >= 0,
              "calm_steps, head_of_line_patience and max_admission_skips must be positive"),
+            (self.itl_slo_ms is None or self.itl_slo_ms > 0, f"itl_slo_ms must be > 0, got {self.itl_slo_ms}"),
         ]
         problems = [message for ok, message in checks if not ok]
         if problems:

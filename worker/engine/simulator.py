@@ -1,4 +1,4 @@
-"""A simulated executor: a deterministic fake model plus a cost model for step time.
+"""A simulated executor: a deterministic fake model plus a cost model for step time (cost_model.py).
 
 It stands in for the model runner so the scheduler can be driven at scale (tests, the
 scheduler benchmark, later the scale simulation). The fake model's next token depends
@@ -14,33 +14,12 @@ from dataclasses import dataclass, field
 
 from producer.protocol import Lane, SamplingParams
 from worker.engine.blocks import BlockPool, BlockStats
+from worker.engine.cost_model import CostModel
 from worker.engine.fairness import TenantShare
 from worker.engine.plan import StepPlan
 from worker.engine.scheduler import Scheduler
 from worker.engine.scheduler_config import SchedulerConfig
 from worker.engine.sequence import Sequence
-
-
-def kv_reads(plan: StepPlan) -> int:
-    """KV tokens attention reads in the step: each scheduled sequence's context after it."""
-    return sum(seq.num_computed_tokens + n for seq, n in plan.scheduled.items())
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Step time = fixed + per computed token + per KV token read by attention.
-    Defaults are a small model on one GPU: 256 decodes at 1k context take about 20 ms."""
-
-    fixed_s: float = 0.008
-    per_token_s: float = 0.00002
-    per_kv_read_s: float = 0.00000004
-
-    def step_time(self, plan: StepPlan) -> float:
-        return self.time_of(plan.num_tokens, kv_reads(plan))
-
-    def time_of(self, num_tokens: int, kv_reads: int) -> float:
-        """A step's time from its shape: tokens computed, KV tokens read."""
-        return self.fixed_s + self.per_token_s * num_tokens + self.per_kv_read_s * kv_reads
 
 
 class FakeModel:
@@ -97,12 +76,13 @@ def simulate(config: SchedulerConfig, num_blocks: int, block_size: int,
              cost: CostModel | None = None, on_step: Callable[[Scheduler, StepPlan], None] | None = None,
              max_steps: int = 1_000_000, enable_prefix_caching: bool = True,
              sample_kv_every: int = 0, tenants: dict[str, TenantShare] | None = None) -> SimResult:
-    """Run requests (sorted by arrival) to completion on simulated time; `tenants`: their weights
-    and running caps, as a worker has them from the registry."""
+    """Run requests (sorted by arrival) to completion on simulated time: each step takes what `cost`
+    says its turn takes (the scheduler sizes its steps with the same model under an ITL SLO);
+    `tenants`: their weights and running caps, as a worker has them from the registry."""
     model, cost = model or FakeModel(), cost or CostModel()
     now = [0.0]
     scheduler = Scheduler(config, BlockPool(num_blocks, block_size, enable_prefix_caching),
-                          clock=lambda: now[0])
+                          clock=lambda: now[0], cost=cost)
     scheduler.set_tenants(tenants or {})
     pending = sorted(requests, key=lambda r: r.arrival_s)
     result = SimResult(sequences=[])
