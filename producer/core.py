@@ -147,7 +147,7 @@ class ProducerCore:
         (InvalidRequest) before anything reaches Redis."""
         entry = encoded(request)
         lane = choose_lane(request)
-        settings = yield from self.settings(Deadline(None, request.id))
+        settings = yield from self.settings(SUBMIT_PATIENCE_S)
         shards, limit = settings.shards, min(self.max_backlog, settings.max_backlog)
         stream = self.keys.requests(lane, shard_of(request.id, shards))
         max_backlog = -(-limit // shards)  # the lane's limit, shared by its shards
@@ -191,13 +191,15 @@ class ProducerCore:
         yield Call((command("set", claim, encode(queued), xx=True, ex=self.claim_ttl),))
         yield Call((command("publish", self.keys.enqueued, queued.lane),))
 
-    def settings(self, clock: Deadline) -> Flow:
-        """-> the tenant's TenantSettings (Keys.settings), read again once SETTINGS_REFRESH_S old.
-        Missing or unreadable (a tenant not registered, or a user from before settings) they are the
-        defaults: one shard, shard 0 always served, and the producer's own backlog limit."""
+    def settings(self, patience_s: float) -> Flow:
+        """-> the tenant's TenantSettings (Keys.settings), read again once SETTINGS_REFRESH_S old,
+        trying again for `patience_s` while the connection is lost. Missing or unreadable (a tenant
+        not registered, or a user from before settings) they are the defaults: one shard, shard 0
+        always served, and the producer's own backlog limit."""
         read_at, settings = self.tenant_settings
         if time.monotonic() - read_at >= SETTINGS_REFRESH_S:
-            [value] = yield from _patiently(Call((command("get", self.keys.settings),), raise_on_error=False), clock)
+            [value] = yield from _patiently(Call((command("get", self.keys.settings),), raise_on_error=False),
+                                            Deadline(None, "settings"), patience_s)
             settings = _settings(value)
             self.tenant_settings = (time.monotonic(), settings)
         return settings
@@ -215,7 +217,7 @@ class ProducerCore:
 
     def stats(self) -> Flow:
         """-> QueueStats: each lane's backlog and pending entries over the tenant's shards."""
-        shards = (yield from self.settings(Deadline(None, "stats"))).shards
+        shards = (yield from self.settings(patience_s=0)).shards  # one try: an unreachable Redis is said at once
         lanes = {}
         for lane in LANES:
             streams = [self.keys.requests(lane, shard) for shard in range(shards)]
