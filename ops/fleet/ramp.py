@@ -1,0 +1,74 @@
+"""The ramp on one topology: N workers, then more, each step warmed up and then measured over a
+window, until a master saturates, the machine runs out of CPU, or the steps run out. The requests'
+tenant (the default one) is registered with an intake shard per master, as an operator spreads a
+busy tenant over a cluster (`streambatch tenant add --shards`).
+
+After a saturated step comes one more at half that step's events/s: the same workers with fewer
+requests in flight (so each is less full), for the latency at half a node's capacity, which whole
+workers of 64 sequences may step over on a node capped to a small share of a core.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from producer.connect import connect
+from producer.protocol import DEFAULT_TENANT, Keys
+from producer.tenants import TenantRegistry
+
+from ops.fleet.generators import Generators
+from ops.fleet.nodes import Topology
+from ops.fleet.scenario import Scenario
+from ops.fleet.step import Step, machine_cpu, step_of
+
+
+@dataclass(frozen=True)
+class RampOptions:
+    workers: tuple[int, ...]  # the steps' worker counts, rising
+    warmup_s: float  # after the load changed, before the window: the new workers fill up
+    window_s: float
+    workers_per_process: int
+    load_processes: int
+    seed: int
+
+
+def ramp(topology: Topology, scenario: Scenario, options: RampOptions, scratch: Path,
+         on_step: Callable[[Step], None]) -> list[Step]:
+    steps = []
+    spread_intake(topology)
+    with Generators(topology, scenario, options.workers_per_process, options.load_processes, scratch,
+                    options.seed) as generators:
+
+        def measured(workers: int, in_flight: int) -> Step:
+            generators.grow(workers, in_flight)
+            time.sleep(options.warmup_s)
+            generators.window()  # the warm-up's: not counted
+            before, machine_before = topology.sample(), machine_cpu()
+            time.sleep(options.window_s)
+            after, machine_after = topology.sample(), machine_cpu()
+            hosts, loads = generators.window()
+            steps.append(step_of(topology, workers, in_flight, before, after, (machine_before, machine_after),
+                                 hosts, loads))
+            on_step(steps[-1])
+            return steps[-1]
+
+        for workers in options.workers:
+            step = measured(workers, workers * scenario.in_flight_per_worker)
+            if step.saturated or step.generator_bound:
+                break
+        if step.saturated:
+            half = step.events_per_s / 2
+            measured(step.workers, math.ceil(half / scenario.decode_steps_per_s))
+    return steps
+
+
+def spread_intake(topology: Topology) -> None:
+    client = connect(topology.url, cluster=topology.cluster)
+    try:
+        TenantRegistry(client, Keys()).add(DEFAULT_TENANT, shards=len(topology.masters))
+    finally:
+        client.close()
