@@ -76,7 +76,7 @@ def measure(console: Console, args: argparse.Namespace, scenario: Scenario) -> N
             with topology(kind, directory, args.node_cpu, console) as nodes:
                 ramps[kind] = ramp(nodes, scenario, options, directory, lambda step: console.print(step_line(step)))
             console.print(steps_table(kind, ramps[kind]))
-    summary = summarize(ramps, scenario, args.node_cpu, args.fleet_workers)
+    summary = summarize(ramps, scenario, args.fleet_workers)
     console.print(summary_table(summary))
     figures = {"scenario": vars(scenario) | {"cost": vars(scenario.cost)}, "node_cpu": args.node_cpu,
                "steps": {kind: [step.as_json() for step in steps] for kind, steps in ramps.items()},
@@ -86,8 +86,7 @@ def measure(console: Console, args: argparse.Namespace, scenario: Scenario) -> N
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(figures, indent=2))
     if args.out is not None:
-        for path in plot(ramps, args.out):
-            console.print(f"[bold]plot:[/] {path}")
+        console.print(f"[bold]plot:[/] {plot(ramps, args.out)}")
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -3,14 +3,17 @@
 - A topology's capacity: the events/s delivered at its first saturated step (a master at its CPU
   cap). A ramp that ended without one (the machine ran out of CPU first, or the steps ran out)
   gives its last step's figure, marked as a lower bound.
-- A node's capacity per core: token events written on the masters per second, over the masters'
+- A node's capacity per core: token events written on the masters per second over the masters'
   CPU, at that step. A Redis master runs its commands on one thread, so a master's capacity is
-  about this figure times one core; the figure is measured on a share of a core, which assumes
-  the work per event does not change with the share.
-- Intake -> admit at half a node's capacity: the step whose busiest master was nearest half its cap.
+  about this figure times one core; it is measured on a share of a core, which assumes that the
+  work per event does not depend on the share.
+- Intake -> admit at half a node's capacity: the step with consumers whose busiest master was
+  nearest half its cap.
+- What the consumers cost: on Redis, the masters' CPU per event written with consumers (the
+  half-capacity step) against without (the step after it); in the consumers' own processes,
+  their CPU per event delivered (they also submit every request).
 - The fleet: `fleet_workers` x sequences x 50 steps/s token events (the issue's fleet figure), over
-  a master's capacity (all its core, or half of it for the latency measured at half), and the
-  consumers' CPU per event from the load processes (which also submit every request).
+  a master's capacity: all of its core, or half of it for the latency measured at half.
 """
 
 from __future__ import annotations
@@ -24,48 +27,58 @@ FLEET_STEPS_PER_S = 50
 
 
 def capacity_step(steps: list[Step]) -> Step:
-    return next((step for step in steps if step.saturated), steps[-1])
-
-
-def per_core(step: Step) -> float:
-    masters = [node for node in step.nodes if node.master]
-    cores = sum(node.cpu_cores for node in masters)
-    return sum(node.events_per_s for node in masters) / cores if cores else 0.0
+    ramp = [step for step in steps if step.kind == "ramp"]
+    return next((step for step in ramp if step.saturated), ramp[-1])
 
 
 def half_capacity_step(steps: list[Step]) -> Step:
-    return min(steps, key=lambda step: abs(step.busiest.cpu_share - 0.5))
+    return min((step for step in steps if step.kind != "no consumers"), key=lambda step: abs(step.busiest.cpu_share - 0.5))
 
 
-def summarize(ramps: dict[str, list[Step]], scenario: Scenario, node_cpu: float, fleet_workers: int) -> dict:
+def master_cpu_per_event_s(step: Step) -> float | None:
+    masters = [node for node in step.nodes if node.master]
+    events = sum(node.events_per_s for node in masters)
+    return sum(node.cpu_cores for node in masters) / events if events else None
+
+
+def consumers_share_of_redis(steps: list[Step]) -> float | None:
+    """The share of the masters' CPU per event that live consumers cause."""
+    found = {step.kind: master_cpu_per_event_s(step) for step in steps}
+    with_them, without = found.get("half capacity"), found.get("no consumers")
+    return round(1 - without / with_them, 3) if with_them and without else None
+
+
+def summarize(ramps: dict[str, list[Step]], scenario: Scenario, fleet_workers: int) -> dict:
     topologies = {}
     for kind, steps in ramps.items():
         at, half = capacity_step(steps), half_capacity_step(steps)
+        per_event = master_cpu_per_event_s(at)
         topologies[kind] = {
             "masters": sum(node.master for node in at.nodes), "workers": at.workers, "saturated": at.saturated,
             "generator_bound": at.generator_bound, "events_per_s": at.events_per_s,
-            "events_per_s_per_node_core": round(per_core(at)),
-            "half_capacity": {"workers": half.workers, "busiest_master_share": half.busiest.cpu_share,
-                              "intake_p99_ms": half.intake.p99_ms, "after_step_p99_ms": half.after_step.p99_ms},
+            "events_per_s_per_node_core": round(1 / per_event) if per_event else None,
+            "half_capacity": {"workers": half.workers, "in_flight": half.in_flight,
+                              "busiest_master_share": half.busiest.cpu_share, "intake_p50_ms": half.intake.p50_ms,
+                              "intake_p99_ms": half.intake.p99_ms, "after_step_p50_ms": half.after_step.p50_ms,
+                              "after_step_p99_ms": half.after_step.p99_ms},
+            "consumers_share_of_master_cpu": consumers_share_of_redis(steps),
         }
     summary: dict = {"topologies": topologies}
     if {"node", "cluster"} <= set(topologies):
         node, cluster = topologies["node"], topologies["cluster"]
         summary["scaling"] = {"ratio": round(cluster["events_per_s"] / node["events_per_s"], 2),
-                              "lower_bound_of_cluster": not cluster["saturated"],
-                              "upper_bound": not node["saturated"]}
-    basis = topologies.get("cluster") or topologies["node"]
+                              "cluster_saturated": cluster["saturated"], "node_saturated": node["saturated"]}
+    per_core = (topologies.get("cluster") or topologies["node"])["events_per_s_per_node_core"]
     events = fleet_workers * scenario.seqs_per_worker * FLEET_STEPS_PER_S
-    delivered = sum(step.events_per_s * step.window_s for steps in ramps.values() for step in steps)
-    consumer_s = sum(step.load_cores * step.window_s for steps in ramps.values() for step in steps)
-    consumer_cores_per_million = consumer_s / delivered * 1e6 if delivered else None
+    followed = [step for steps in ramps.values() for step in steps if step.kind != "no consumers"]
+    delivered = sum(step.events_per_s * step.window_s for step in followed)
+    consumer_cpu_per_event = sum(step.load_cores * step.window_s for step in followed) / delivered if delivered else None
     summary["fleet"] = {
         "workers": fleet_workers, "seqs_per_worker": scenario.seqs_per_worker, "steps_per_s": FLEET_STEPS_PER_S,
-        "events_per_s": events, "events_per_s_per_master_core": basis["events_per_s_per_node_core"],
-        "masters_at_capacity": math.ceil(events / basis["events_per_s_per_node_core"]),
-        "masters_at_half_capacity": math.ceil(2 * events / basis["events_per_s_per_node_core"]),
-        "consumer_cores_per_million_events_per_s": round(consumer_cores_per_million, 2)
-        if consumer_cores_per_million else None,
-        "consumer_cores": round(consumer_cores_per_million * events / 1e6) if consumer_cores_per_million else None,
+        "events_per_s": events, "events_per_s_per_master_core": per_core,
+        "masters_at_capacity": math.ceil(events / per_core) if per_core else None,
+        "masters_at_half_capacity": math.ceil(2 * events / per_core) if per_core else None,
+        "consumer_cpu_us_per_event": round(1e6 * consumer_cpu_per_event, 1) if consumer_cpu_per_event else None,
+        "consumer_cores": math.ceil(consumer_cpu_per_event * events) if consumer_cpu_per_event else None,
     }
     return summary

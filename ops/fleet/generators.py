@@ -109,6 +109,11 @@ class Generators:
         for index, load in enumerate(self.loads):
             load.control.send(("target", in_flight // len(self.loads) + (index < in_flight % len(self.loads))))
 
+    def unfollowed(self, rate: float) -> None:
+        """No consumers from now on: requests submitted at `rate` per second, nobody following them."""
+        for load in self.loads:
+            load.control.send(("unfollowed", rate / len(self.loads)))
+
     def window(self) -> tuple[list[HostWindow], list[LoadWindow]]:
         """What every process did since the previous call."""
         for child in self.hosts + self.loads:

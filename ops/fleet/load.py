@@ -8,7 +8,9 @@ connection per node and batch their replay reads into one pipeline per turn of t
 (producer/multiplex.py), which is how one process follows thousands.
 
 The parent drives it over a pipe: ("target", n) sets the requests in flight, "window" answers what
-was delivered since the last one (LoadWindow), "stop" ends the process.
+was delivered since the last one (LoadWindow), "stop" ends the process. ("unfollowed", rate)
+measures what the consumers cost Redis: every stream is dropped, and requests are submitted at
+`rate` per second with nobody following them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Load:
         self.redis_url, self.cluster, self.scenario, self.control = redis_url, cluster, scenario, control
         self.rng = random.Random(seed)
         self.target = 0
-        self.slots: list[asyncio.Task] = []
+        self.slots: list[asyncio.Task] = []  # the closed loop's, or the one that submits unfollowed requests
         self.window = LoadWindow(0.0, 0, 0, 0)
         self.cpu = time.process_time()
 
@@ -52,20 +54,26 @@ class Load:
                 match await commands.get():
                     case ("target", count):
                         self.resize(producer, count)
+                    case ("unfollowed", rate):
+                        await self.drop_slots()
+                        self.slots = [asyncio.ensure_future(self.submit_unfollowed(producer, rate))]
                     case "window":
                         now = time.process_time()
                         self.window.cpu_s = now - self.cpu
                         self.control.send(("window", self.window))
                         self.window, self.cpu = LoadWindow(0.0, 0, 0, 0), now
                     case "stop":
-                        # No slot starts another request, even one whose cancel reached it as the
-                        # stream's timeout (asyncio.timeout can take a cancel for its own on Python 3.11).
-                        self.target = 0
-                        for slot in self.slots:
-                            slot.cancel()
-                        await asyncio.gather(*self.slots, return_exceptions=True)
+                        await self.drop_slots()
                         self.control.send(("stopped", None))
                         return
+
+    async def drop_slots(self) -> None:
+        """Every slot ends now. None starts another request, even one whose cancel reached it as
+        its stream's timeout (asyncio.timeout can take a cancel for its own on Python 3.11)."""
+        self.target = 0
+        for slot in self.slots:
+            slot.cancel()
+        await asyncio.gather(*self.slots, return_exceptions=True)
 
     def resize(self, producer: AsyncProducer, target: int) -> None:
         """Slots past the target end after their request; new ones start at once."""
@@ -89,6 +97,18 @@ class Load:
                         self.failed(event.code)
             except (ProducerError, TimeoutError) as error:
                 self.failed(type(error).__name__)
+
+    async def submit_unfollowed(self, producer: AsyncProducer, rate: float) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            prompt, params = self.scenario.request(self.rng)
+            try:
+                await producer.submit(prompt_ids=prompt, params=params)
+            except ProducerError as error:
+                self.failed(type(error).__name__)
+            due += 1 / rate
+            await asyncio.sleep(max(0.0, due - loop.time()))
 
     def failed(self, reason: str) -> None:
         self.window.failures[reason] = self.window.failures.get(reason, 0) + 1

@@ -3,9 +3,12 @@ window, until a master saturates, the machine runs out of CPU, or the steps run 
 tenant (the default one) is registered with an intake shard per master, as an operator spreads a
 busy tenant over a cluster (`streambatch tenant add --shards`).
 
-After a saturated step comes one more at half that step's events/s: the same workers with fewer
+After a saturated step come two more. One at half its events/s: the same workers with fewer
 requests in flight (so each is less full), for the latency at half a node's capacity, which whole
-workers of 64 sequences may step over on a node capped to a small share of a core.
+workers of 64 sequences may step over on a node capped to a small share of a core. Then the same
+load without consumers: requests submitted at the rate the half step completed them, nobody
+following them, so that the nodes' CPU per event with and without consumers says what the
+consumers cost Redis.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from producer.tenants import TenantRegistry
 from ops.fleet.generators import Generators
 from ops.fleet.nodes import Topology
 from ops.fleet.scenario import Scenario
-from ops.fleet.step import Step, machine_cpu, step_of
+from ops.fleet.step import Step, StepKind, machine_cpu, step_of
 
 
 @dataclass(frozen=True)
@@ -43,26 +46,30 @@ def ramp(topology: Topology, scenario: Scenario, options: RampOptions, scratch: 
     with Generators(topology, scenario, options.workers_per_process, options.load_processes, scratch,
                     options.seed) as generators:
 
-        def measured(workers: int, in_flight: int) -> Step:
-            generators.grow(workers, in_flight)
+        def measured(kind: StepKind, workers: int, in_flight: int) -> Step:
             time.sleep(options.warmup_s)
             generators.window()  # the warm-up's: not counted
             before, machine_before = topology.sample(), machine_cpu()
             time.sleep(options.window_s)
             after, machine_after = topology.sample(), machine_cpu()
             hosts, loads = generators.window()
-            steps.append(step_of(topology, workers, in_flight, before, after, (machine_before, machine_after),
-                                 hosts, loads))
+            steps.append(step_of(topology, kind, workers, in_flight, before, after,
+                                 (machine_before, machine_after), hosts, loads))
             on_step(steps[-1])
             return steps[-1]
 
         for workers in options.workers:
-            step = measured(workers, workers * scenario.in_flight_per_worker)
+            in_flight = workers * scenario.in_flight_per_worker
+            generators.grow(workers, in_flight)
+            step = measured("ramp", workers, in_flight)
             if step.saturated or step.generator_bound:
                 break
         if step.saturated:
-            half = step.events_per_s / 2
-            measured(step.workers, math.ceil(half / scenario.decode_steps_per_s))
+            in_flight = math.ceil(step.events_per_s / 2 / scenario.decode_steps_per_s)
+            generators.grow(step.workers, in_flight)
+            half = measured("half capacity", step.workers, in_flight)
+            generators.unfollowed(half.requests_per_s)
+            measured("no consumers", step.workers, in_flight)
     return steps
 
 

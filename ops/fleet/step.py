@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ops.fleet.nodes import NodeSample, Topology
 from ops.fleet.windows import HostWindow, LoadWindow
@@ -17,6 +18,9 @@ from ops.percentile import percentile
 
 SATURATED = 0.9
 MACHINE_BUSY = 0.95
+
+# "ramp": N workers kept full; "half capacity" and "no consumers": see ramp.py
+StepKind = Literal["ramp", "half capacity", "no consumers"]
 
 
 @dataclass
@@ -47,8 +51,9 @@ class NodeFigures:
 @dataclass
 class Step:
     topology: str
+    kind: StepKind
     workers: int
-    in_flight: int  # requests the load kept in flight
+    in_flight: int  # requests the load kept in flight (without consumers: about as many, submitted at a rate)
     window_s: float
     events_per_s: float  # token events delivered to the live consumers
     events_written_per_s: float  # token events the workers' engines emitted
@@ -91,9 +96,9 @@ def machine_cpu() -> tuple[float, float]:
     return (sum(ticks) - idle) / hertz, sum(ticks) / hertz
 
 
-def step_of(topology: Topology, workers: int, in_flight: int, before: dict[str, NodeSample], after: dict[str, NodeSample],
-            machine: tuple[tuple[float, float], tuple[float, float]], hosts: list[HostWindow],
-            loads: list[LoadWindow]) -> Step:
+def step_of(topology: Topology, kind: StepKind, workers: int, in_flight: int, before: dict[str, NodeSample],
+            after: dict[str, NodeSample], machine: tuple[tuple[float, float], tuple[float, float]],
+            hosts: list[HostWindow], loads: list[LoadWindow]) -> Step:
     any_node = next(iter(after))
     wall = after[any_node].at - before[any_node].at
     event_command = "spublish" if topology.cluster else "publish"
@@ -115,7 +120,7 @@ def step_of(topology: Topology, workers: int, in_flight: int, before: dict[str, 
         for reason, count in load.failures.items():
             failures[reason] = failures.get(reason, 0) + count
     return Step(
-        topology.kind, workers, in_flight, round(wall, 3),
+        topology.kind, kind, workers, in_flight, round(wall, 3),
         events_per_s=round(sum(load.events for load in loads) / wall, 1),
         events_written_per_s=round(sum(host.tokens for host in hosts) / wall, 1),
         requests_per_s=round(sum(load.completed for load in loads) / wall, 2),
