@@ -5,14 +5,16 @@ writes, heartbeats, reclaims, acks) around an engine whose model is the simulato
 sleeping the cost model's step time: ops/fleet/engine.py), fed by producers that keep every worker
 full and followed by a live consumer on every request, against one Redis node and then against
 a 3-master cluster (ops/local_cluster.py), every master capped to the same share of a core
-(--node-cpu, a cgroup CPU quota: root; replicas are measured, not capped). N workers, then more, until a master saturates; per step
-it measures each node's CPU and commands/s, the events/s delivered, and intake -> admit latency.
+(--node-cpu, a cgroup CPU quota: root; replicas are measured, not capped). N workers, then more,
+until a master saturates (ops/fleet/ramp.py); each step measures every node's CPU and commands/s,
+the events/s delivered to the consumers, and intake -> admit latency (ops/fleet/step.py).
 
     python -m ops.fleet [--node-cpu 0.05] [--workers 1,2,3,4,6,8] [--out DIR] [--json FILE]
-    python -m ops.fleet --quick        # a few seconds per topology: 1 and 2 workers, short requests
+    python -m ops.fleet --quick        # seconds per topology: 1 and 2 workers, short requests
 
-It ends with the scaling from 1 to 3 masters, each node's capacity in events/s per core, and the
-masters a fleet of --fleet-workers would need; --out writes the JSON and the PNG plots there.
+It ends with the scaling from 1 to 3 masters, a master's capacity in events/s per core, what the
+consumers cost, and the masters a fleet of --fleet-workers needs (ops/fleet/capacity.py); --out
+writes fleet.json and fleet.png there.
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fleet-workers", type=int, default=1000, help="the fleet the summary sizes (default 1000)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true",
-                        help="1 and 2 workers, 1 s warm-ups and 2 s windows, requests of 16-48 tokens")
+                        help="1 and 2 workers, 1 s warm-ups and 1.5 s windows, requests of 16-48 tokens")
     parser.add_argument("--out", type=Path, help="write fleet.json and the PNG plots here")
     parser.add_argument("--json", type=Path, help="write every figure here as JSON")
     args = parser.parse_args(argv)
     if args.quick:
-        args.workers, args.warmup, args.window = (1, 2), 1.0, 2.0
+        args.workers, args.warmup, args.window = (1, 2), 1.0, 1.5
     if args.workers_per_process < 1 or args.load_processes < 1:
         parser.error("--workers-per-process and --load-processes must be at least 1")
     console = Console()

@@ -32,7 +32,8 @@ def capacity_step(steps: list[Step]) -> Step:
 
 
 def half_capacity_step(steps: list[Step]) -> Step:
-    return min((step for step in steps if step.kind != "no consumers"), key=lambda step: abs(step.busiest.cpu_share - 0.5))
+    followed = [step for step in steps if step.kind != "no consumers"]
+    return min(followed, key=lambda step: abs(step.busiest.cpu_share - 0.5))
 
 
 def master_cpu_per_event_s(step: Step) -> float | None:
@@ -72,7 +73,8 @@ def summarize(ramps: dict[str, list[Step]], scenario: Scenario, fleet_workers: i
     events = fleet_workers * scenario.seqs_per_worker * FLEET_STEPS_PER_S
     followed = [step for steps in ramps.values() for step in steps if step.kind != "no consumers"]
     delivered = sum(step.events_per_s * step.window_s for step in followed)
-    consumer_cpu_per_event = sum(step.load_cores * step.window_s for step in followed) / delivered if delivered else None
+    consumer_cpu_s = sum(step.load_cores * step.window_s for step in followed)
+    consumer_cpu_per_event = consumer_cpu_s / delivered if delivered else None
     summary["fleet"] = {
         "workers": fleet_workers, "seqs_per_worker": scenario.seqs_per_worker, "steps_per_s": FLEET_STEPS_PER_S,
         "events_per_s": events, "events_per_s_per_master_core": per_core,

@@ -100,7 +100,8 @@ class Generators:
         while self.workers < workers:
             count = min(self.workers_per_process, workers - self.workers)
             names = [f"fleet-{self.topology.kind}-{self.workers + i}" for i in range(count)]
-            started.append(Child(self.context, workers_process, (self.topology.url, self.topology.cluster, names, self.scenario),
+            started.append(Child(self.context, workers_process,
+                                 (self.topology.url, self.topology.cluster, names, self.scenario),
                                  self.scratch / f"{self.topology.kind}-workers-{len(self.hosts)}.log"))
             self.hosts.append(started[-1])
             self.workers += count

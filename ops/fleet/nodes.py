@@ -71,7 +71,8 @@ def topology(kind: str, scratch: Path, cores: float, console: Console) -> Iterat
             cluster = stack.enter_context(LocalCluster(scratch / "cluster"))
             url = cluster.url
             nodes = [Node(f"{'master' if found['master'] else 'replica'}:{found['port']}", found["master"],
-                          redis.Redis(port=found["port"])) for found in sorted(cluster.nodes(), key=lambda n: n["port"])]
+                          redis.Redis(port=found["port"]))
+                     for found in sorted(cluster.nodes(), key=lambda found: (not found["master"], found["port"]))]
             console.print(f"[bold]redis:[/] started a cluster of {len(nodes)} redis-servers "
                           f"({sum(node.master for node in nodes)} masters, each with a replica) at {url}")
         for node in nodes:

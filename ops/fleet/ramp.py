@@ -1,14 +1,15 @@
 """The ramp on one topology: N workers, then more, each step warmed up and then measured over a
-window, until a master saturates, the machine runs out of CPU, or the steps run out. The requests'
-tenant (the default one) is registered with an intake shard per master, as an operator spreads a
-busy tenant over a cluster (`streambatch tenant add --shards`).
+window, until a master saturates (and one step more, which shows the plateau), the machine runs
+out of CPU, or the steps run out. The requests' tenant (the default one) is registered with an
+intake shard per master, as an operator spreads a busy tenant over a cluster (`streambatch tenant
+add --shards`).
 
-After a saturated step come two more. One at half its events/s: the same workers with fewer
-requests in flight (so each is less full), for the latency at half a node's capacity, which whole
-workers of 64 sequences may step over on a node capped to a small share of a core. Then the same
-load without consumers: requests submitted at the rate the half step completed them, nobody
-following them, so that the nodes' CPU per event with and without consumers says what the
-consumers cost Redis.
+If a master saturated, two more steps follow on the ramp's last workers. One at half the first
+saturated step's events/s, with fewer requests in flight (each worker less full): the latency at
+half a node's capacity, which whole workers of 64 sequences may step over on a node capped to a
+small share of a core. Then the same load without consumers: requests submitted at the rate the
+half step completed them, nobody following them, so that the masters' CPU per event with and
+without consumers says what the consumers cost Redis.
 """
 
 from __future__ import annotations
@@ -58,14 +59,17 @@ def ramp(topology: Topology, scenario: Scenario, options: RampOptions, scratch: 
             on_step(steps[-1])
             return steps[-1]
 
+        saturated = None
         for workers in options.workers:
             in_flight = workers * scenario.in_flight_per_worker
             generators.grow(workers, in_flight)
             step = measured("ramp", workers, in_flight)
-            if step.saturated or step.generator_bound:
+            if saturated is not None or step.generator_bound:
                 break
-        if step.saturated:
-            in_flight = math.ceil(step.events_per_s / 2 / scenario.decode_steps_per_s)
+            if step.saturated:
+                saturated = step
+        if saturated is not None:
+            in_flight = math.ceil(saturated.events_per_s / 2 / scenario.decode_steps_per_s)
             generators.grow(step.workers, in_flight)
             half = measured("half capacity", step.workers, in_flight)
             generators.unfollowed(half.requests_per_s)

@@ -21,7 +21,8 @@ def steps_table(kind: str, steps: list[Step]) -> Table:
     table = Table(title=f"fleet on {'one node' if kind == 'node' else 'the cluster'}: a row per step")
     for column in ("workers", "step", "in\nflight", "events/s\ndelivered", "written/s", "req/s", "steps/s\nper worker",
                    "batch", "intake->admit\nP50 / P99 ms", "after step\nP50 / P99 ms",
-                   "node: CPU cores (of cap) · cmd/s · throttled", "workers' /\nload cores", "machine\nbusy", "load\navg"):
+                   "node: CPU cores (of cap) · cmd/s · throttled", "workers' /\nload cores", "machine\nbusy",
+                   "load\navg"):
         table.add_column(column, justify="right")
     for step in steps:
         nodes = "\n".join(f"{node.name}: {node.cpu_cores:.3f} ({node.cpu_share:.0%}) · {node.commands_per_s:,.0f} · "
@@ -41,7 +42,8 @@ def summary_table(summary: dict) -> Table:
     table.add_column(justify="right")
     for kind, found in summary["topologies"].items():
         bound = "" if found["saturated"] else " (no master saturated: a lower bound)"
-        table.add_row(f"{kind}: events/s delivered at {found['workers']} workers{bound}", f"{found['events_per_s']:,.0f}")
+        table.add_row(f"{kind}: events/s delivered at {found['workers']} workers{bound}",
+                      f"{found['events_per_s']:,.0f}")
         table.add_row(f"{kind}: events/s per master-core", f"{found['events_per_s_per_node_core']:,}")
         half = found["half_capacity"]
         table.add_row(f"{kind}: intake->admit P50 / P99 at {half['workers']} workers, {half['in_flight']} in flight "

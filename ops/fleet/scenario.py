@@ -31,7 +31,7 @@ class Scenario:
     prompt_tokens: tuple[int, int] = (64, 192)
     output_tokens: tuple[int, int] = (128, 384)
     intake_ahead: int = 8  # the worker's default
-    replay_ttl_s: int = 60  # short: a finished request's events need not outlive the run, and Redis's memory stays small
+    replay_ttl_s: int = 60  # short: finished requests' events need not outlive the run; Redis's memory stays small
 
     @property
     def cost(self) -> CostModel:

@@ -83,7 +83,8 @@ class Step:
 
     def as_json(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
-            "intake": vars(self.intake), "after_step": vars(self.after_step), "nodes": [vars(node) for node in self.nodes],
+            "intake": vars(self.intake), "after_step": vars(self.after_step),
+            "nodes": [vars(node) for node in self.nodes],
             "saturated": self.saturated, "generator_bound": self.generator_bound}
 
 
