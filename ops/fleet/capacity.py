@@ -7,11 +7,10 @@
   CPU, at that step. A Redis master runs its commands on one thread, so a master's capacity is
   about this figure times one core; it is measured on a share of a core, which assumes that the
   work per event does not depend on the share.
-- Intake -> admit at half a node's capacity: the step with consumers whose busiest master was
-  nearest half its cap.
+- Intake -> admit at half a node's capacity: the half-capacity step (ramp.py).
 - What the consumers cost: on Redis, the masters' CPU per event written with consumers (the
-  half-capacity step) against without (the step after it); in the consumers' own processes,
-  their CPU per event delivered (they also submit every request).
+  half-capacity step) against without (the step after it, the same workload and caps); in the
+  consumers' own processes, their CPU per event delivered (they also submit every request).
 - The fleet: `fleet_workers` x sequences x 50 steps/s token events (the issue's fleet figure), over
   a master's capacity: all of its core, or half of it for the latency measured at half.
 """
@@ -31,11 +30,6 @@ def capacity_step(steps: list[Step]) -> Step:
     return next((step for step in ramp if step.saturated), ramp[-1])
 
 
-def half_capacity_step(steps: list[Step]) -> Step:
-    followed = [step for step in steps if step.kind != "no consumers"]
-    return min(followed, key=lambda step: abs(step.busiest.cpu_share - 0.5))
-
-
 def master_cpu_per_event_s(step: Step) -> float | None:
     masters = [node for node in step.nodes if node.master]
     events = sum(node.events_per_s for node in masters)
@@ -52,16 +46,17 @@ def consumers_share_of_redis(steps: list[Step]) -> float | None:
 def summarize(ramps: dict[str, list[Step]], scenario: Scenario, fleet_workers: int) -> dict:
     topologies = {}
     for kind, steps in ramps.items():
-        at, half = capacity_step(steps), half_capacity_step(steps)
+        at = capacity_step(steps)
+        half = next((step for step in steps if step.kind == "half capacity"), None)
         per_event = master_cpu_per_event_s(at)
         topologies[kind] = {
             "masters": sum(node.master for node in at.nodes), "workers": at.workers, "saturated": at.saturated,
             "generator_bound": at.generator_bound, "events_per_s": at.events_per_s,
             "events_per_s_per_node_core": round(1 / per_event) if per_event else None,
-            "half_capacity": {"workers": half.workers, "in_flight": half.in_flight,
-                              "busiest_master_share": half.busiest.cpu_share, "intake_p50_ms": half.intake.p50_ms,
-                              "intake_p99_ms": half.intake.p99_ms, "after_step_p50_ms": half.after_step.p50_ms,
-                              "after_step_p99_ms": half.after_step.p99_ms},
+            "half_capacity": None if half is None else {
+                "workers": half.workers, "node_cpu": half.node_cpu, "busiest_master_share": half.busiest.cpu_share,
+                "intake_p50_ms": half.intake.p50_ms, "intake_p99_ms": half.intake.p99_ms,
+                "after_step_p50_ms": half.after_step.p50_ms, "after_step_p99_ms": half.after_step.p99_ms},
             "consumers_share_of_master_cpu": consumers_share_of_redis(steps),
         }
     summary: dict = {"topologies": topologies}

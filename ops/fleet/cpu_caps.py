@@ -14,7 +14,9 @@ cpu.shares, so that other work on the machine cannot keep a node from its quota.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,13 +35,17 @@ class Throttling:
 
 class CpuCaps:
     def __init__(self, cores: float) -> None:
+        self.parent = CPU_CONTROLLER / f"streambatch-fleet-{os.getpid()}"
+        self.groups: dict[str, Path] = {}
+        self.capped: list[str] = []
+        self._cap(cores)
+
+    def _cap(self, cores: float) -> None:
         if not cores > 0:
             raise ValueError(f"a node's CPU cap must be above 0 cores, got {cores}")
         self.cores = cores
         self.period_us = max(PERIOD_US, round(MIN_QUOTA_US / cores))
         self.quota_us = round(cores * self.period_us)
-        self.parent = CPU_CONTROLLER / f"streambatch-fleet-{os.getpid()}"
-        self.groups: dict[str, Path] = {}
 
     def __enter__(self) -> CpuCaps:
         if not os.access(CPU_CONTROLLER, os.W_OK) or not (CPU_CONTROLLER / "cpu.cfs_quota_us").exists():
@@ -53,12 +59,32 @@ class CpuCaps:
         """Put process `pid` (a node) in a group of its own, `capped` by the quota or not."""
         group = self.parent / name
         group.mkdir()
-        if capped:
-            (group / "cpu.cfs_period_us").write_text(str(self.period_us))
-            (group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
-            (group / "cpu.cfs_burst_us").write_text(str(self.quota_us))
-        (group / "cgroup.procs").write_text(str(pid))
         self.groups[name] = group
+        if capped:
+            self.capped.append(name)
+            self._write(group)
+        (group / "cgroup.procs").write_text(str(pid))
+
+    def _write(self, group: Path) -> None:
+        (group / "cpu.cfs_burst_us").write_text("0")  # first: a burst may not exceed the quota
+        (group / "cpu.cfs_period_us").write_text(str(self.period_us))
+        (group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+        (group / "cpu.cfs_burst_us").write_text(str(self.quota_us))
+
+    @contextlib.contextmanager
+    def raised(self, cores: float) -> Iterator[None]:
+        """Every capped node at `cores` for a while, then back to its cap."""
+        cap = self.cores
+        self._set(cores)
+        try:
+            yield
+        finally:
+            self._set(cap)
+
+    def _set(self, cores: float) -> None:
+        self._cap(cores)
+        for name in self.capped:
+            self._write(self.groups[name])
 
     def throttling(self, name: str) -> Throttling:
         stat = dict(line.split() for line in (self.groups[name] / "cpu.stat").read_text().splitlines())

@@ -123,6 +123,6 @@ class Generators:
                 [load.reply("window", REPLY_TIMEOUT_S) for load in self.loads])
 
     def __exit__(self, *exc) -> None:
-        """The workers first (they hand back what they hold), then the load."""
-        for child in self.hosts + self.loads:
+        """The load first (it cancels its requests), then the workers."""
+        for child in self.loads + self.hosts:
             child.stop()

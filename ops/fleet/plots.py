@@ -1,5 +1,6 @@
 """PNG plots of the ramps (matplotlib, no display needed): events/s and intake -> admit P99
-against the number of workers, one line per topology, its half-capacity step marked apart."""
+against the number of workers, one line per topology, its half-capacity step (raised caps)
+marked apart."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def plot(ramps: dict[str, list[Step]], directory: Path) -> Path:
                 throughput.plot([step.workers], [step.events_per_s], "x", color="red", markersize=12)
             if step.kind == "half capacity":
                 latency.plot([step.workers], [step.intake.p99_ms], "*", color=colour, markersize=12,
-                             label=f"{LABELS[kind]}: at half capacity ({step.in_flight} in flight)")
+                             label=f"{LABELS[kind]}: at half capacity (cap {step.node_cpu:.3f} core)")
     throughput.set(xlabel="workers", ylabel="token events/s delivered", title="events/s (x: a master saturated)",
                    ylim=(0, None))
     latency.set(xlabel="workers", ylabel="ms", title="intake -> admit P99", yscale="log")

@@ -4,17 +4,17 @@ out of CPU, or the steps run out. The requests' tenant (the default one) is regi
 intake shard per master, as an operator spreads a busy tenant over a cluster (`streambatch tenant
 add --shards`).
 
-If a master saturated, two more steps follow on the ramp's last workers. One at half the first
-saturated step's events/s, with fewer requests in flight (each worker less full): the latency at
-half a node's capacity, which whole workers of 64 sequences may step over on a node capped to a
-small share of a core. Then the same load without consumers: requests submitted at the rate the
-half step completed them, nobody following them, so that the masters' CPU per event with and
-without consumers says what the consumers cost Redis.
+The first step's workers are measured twice more, with every master's cap raised so that the
+busiest would run at half of it (twice the CPU the first step shows it needs at the workers' full
+pace, CostModel's): once as ever, for the latency at half a node's capacity with the workload's
+own shape (full workers, whose steps carry 64 events each: fewer sequences per worker would make
+every event dearer, as fewer commands share each round trip), and once without consumers,
+requests submitted at the rate the first of the two completed them, nobody following them, so
+that the masters' CPU per event with and without consumers says what the consumers cost Redis.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,17 +64,24 @@ def ramp(topology: Topology, scenario: Scenario, options: RampOptions, scratch: 
             in_flight = workers * scenario.in_flight_per_worker
             generators.grow(workers, in_flight)
             step = measured("ramp", workers, in_flight)
-            if saturated is not None or step.generator_bound:
+            if step is steps[0]:
+                with topology.caps.raised(2 * full_pace_cpu(step, scenario)):
+                    half = measured("half capacity", workers, in_flight)
+                    generators.unfollowed(half.requests_per_s)
+                    measured("no consumers", workers, in_flight)
+                generators.grow(workers, in_flight)
+            if step.generator_bound or saturated is not None:
                 break
             if step.saturated:
                 saturated = step
-        if saturated is not None:
-            in_flight = math.ceil(saturated.events_per_s / 2 / scenario.decode_steps_per_s)
-            generators.grow(step.workers, in_flight)
-            half = measured("half capacity", step.workers, in_flight)
-            generators.unfollowed(half.requests_per_s)
-            measured("no consumers", step.workers, in_flight)
     return steps
+
+
+def full_pace_cpu(step: Step, scenario: Scenario) -> float:
+    """The busiest master's CPU with the step's workers at their full pace: what the step measured,
+    scaled by the events the workers would write at CostModel's pace over those they wrote."""
+    offered = step.workers * scenario.seqs_per_worker * scenario.decode_steps_per_s
+    return step.busiest.cpu_cores * offered / step.events_written_per_s
 
 
 def spread_intake(topology: Topology) -> None:

@@ -12,22 +12,23 @@ def step_line(step: Step) -> str:
     state = " [red]saturated[/]" if step.saturated else " [yellow]machine busy[/]" if step.generator_bound else ""
     events = (f"{step.events_per_s:>7,.0f} events/s delivered" if step.kind != "no consumers"
               else f"{step.events_written_per_s:>7,.0f} events/s, no consumers")
-    return (f"[bold]{step.topology}[/] {step.workers:>2} workers ({step.kind}, {step.in_flight} in flight): {events}, "
-            f"masters' CPU {masters} of cap, intake->admit P99 {step.intake.p99_ms} ms, "
+    return (f"[bold]{step.topology}[/] {step.workers:>2} workers ({step.kind}): {events}, masters' CPU {masters} of "
+            f"{step.node_cpu:.3f} core, intake->admit P99 {step.intake.p99_ms} ms, "
             f"machine {step.machine_busy:.0%} busy{state}")
 
 
 def steps_table(kind: str, steps: list[Step]) -> Table:
     table = Table(title=f"fleet on {'one node' if kind == 'node' else 'the cluster'}: a row per step")
-    for column in ("workers", "step", "in\nflight", "events/s\ndelivered", "written/s", "req/s", "steps/s\nper worker",
-                   "batch", "intake->admit\nP50 / P99 ms", "after step\nP50 / P99 ms",
+    for column in ("workers", "step", "cap\n(cores)", "in\nflight", "events/s\ndelivered", "written/s", "req/s",
+                   "steps/s\nper worker", "batch", "intake->admit\nP50 / P99 ms", "after step\nP50 / P99 ms",
                    "node: CPU cores (of cap) · cmd/s · throttled", "workers' /\nload cores", "machine\nbusy",
                    "load\navg"):
         table.add_column(column, justify="right")
     for step in steps:
         nodes = "\n".join(f"{node.name}: {node.cpu_cores:.3f} ({node.cpu_share:.0%}) · {node.commands_per_s:,.0f} · "
                           f"{node.throttled_share:.0%}" for node in step.nodes)
-        table.add_row(str(step.workers), step.kind, str(step.in_flight), f"{step.events_per_s:,.0f}",
+        table.add_row(str(step.workers), step.kind, f"{step.node_cpu:.3f}", str(step.in_flight),
+                      f"{step.events_per_s:,.0f}",
                       f"{step.events_written_per_s:,.0f}", f"{step.requests_per_s:.1f}", f"{step.steps_per_s:.1f}",
                       f"{step.batch:.1f}", f"{step.intake.p50_ms} / {step.intake.p99_ms}",
                       f"{step.after_step.p50_ms} / {step.after_step.p99_ms}", nodes,
@@ -46,11 +47,12 @@ def summary_table(summary: dict) -> Table:
                       f"{found['events_per_s']:,.0f}")
         table.add_row(f"{kind}: events/s per master-core", f"{found['events_per_s_per_node_core']:,}")
         half = found["half_capacity"]
-        table.add_row(f"{kind}: intake->admit P50 / P99 at {half['workers']} workers, {half['in_flight']} in flight "
-                      f"(busiest master at {half['busiest_master_share']:.0%} of cap)",
-                      f"{half['intake_p50_ms']} / {half['intake_p99_ms']} ms")
-        table.add_row("   of which after the worker's step ended, P50 / P99",
-                      f"{half['after_step_p50_ms']} / {half['after_step_p99_ms']} ms")
+        if half is not None:
+            table.add_row(f"{kind}: intake->admit P50 / P99 at half capacity ({half['workers']} workers, masters "
+                          f"capped to {half['node_cpu']:.3f} core, the busiest at {half['busiest_master_share']:.0%})",
+                          f"{half['intake_p50_ms']} / {half['intake_p99_ms']} ms")
+            table.add_row("   of which after the worker's step ended, P50 / P99",
+                          f"{half['after_step_p50_ms']} / {half['after_step_p99_ms']} ms")
         if found["consumers_share_of_master_cpu"] is not None:
             table.add_row(f"{kind}: consumers' share of the masters' CPU per event",
                           f"{found['consumers_share_of_master_cpu']:.0%}")

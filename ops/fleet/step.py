@@ -19,7 +19,7 @@ from ops.percentile import percentile
 SATURATED = 0.9
 MACHINE_BUSY = 0.95
 
-# "ramp": N workers kept full; "half capacity" and "no consumers": see ramp.py
+# "ramp": N workers kept full; "half capacity" and "no consumers": the same, each master's cap raised (ramp.py)
 StepKind = Literal["ramp", "half capacity", "no consumers"]
 
 
@@ -52,6 +52,7 @@ class NodeFigures:
 class Step:
     topology: str
     kind: StepKind
+    node_cpu: float  # each master's CPU cap in the step, in cores
     workers: int
     in_flight: int  # requests the load kept in flight (without consumers: about as many, submitted at a rate)
     window_s: float
@@ -121,7 +122,7 @@ def step_of(topology: Topology, kind: StepKind, workers: int, in_flight: int, be
         for reason, count in load.failures.items():
             failures[reason] = failures.get(reason, 0) + count
     return Step(
-        topology.kind, kind, workers, in_flight, round(wall, 3),
+        topology.kind, kind, cap, workers, in_flight, round(wall, 3),
         events_per_s=round(sum(load.events for load in loads) / wall, 1),
         events_written_per_s=round(sum(host.tokens for host in hosts) / wall, 1),
         requests_per_s=round(sum(load.completed for load in loads) / wall, 2),

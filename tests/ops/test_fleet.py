@@ -21,7 +21,8 @@ def test_a_quick_fleet_run_measures_one_node_and_the_cluster(tmp_path, capsys):
     assert set(figures["steps"]) == {"node", "cluster"}
     for kind, steps in figures["steps"].items():
         assert steps and steps[0]["workers"] == 1
-        assert [step["kind"] for step in steps if step["kind"] != "ramp"] in ([], ["half capacity", "no consumers"])
+        assert [step["kind"] for step in steps[:3]] == ["ramp", "half capacity", "no consumers"]
+        assert steps[1]["node_cpu"] > steps[0]["node_cpu"] == steps[-1]["node_cpu"]
         for step in steps:
             followed = step["kind"] != "no consumers"
             assert step["events_written_per_s"] > 0 and (step["events_per_s"] > 0) == followed
