@@ -1,8 +1,8 @@
 """From the ramps to the figures the README's Scaling section rests on.
 
-- A topology's capacity: the events/s delivered at its first saturated step (a master at its CPU
-  cap). A ramp that ended without one (the machine ran out of CPU first, or the steps ran out)
-  gives its last step's figure, marked as a lower bound.
+- A topology's capacity: the most events/s delivered at a saturated step (a master at its CPU
+  cap: the first such step, or the one after it). A ramp that ended without one (the machine ran
+  out of CPU first, or the steps ran out) gives its last step's figure, marked as a lower bound.
 - A node's capacity per core: token events written on the masters per second over the masters'
   CPU, at that step. A Redis master runs its commands on one thread, so a master's capacity is
   about this figure times one core; it is measured on a share of a core, which assumes that the
@@ -27,7 +27,8 @@ FLEET_STEPS_PER_S = 50
 
 def capacity_step(steps: list[Step]) -> Step:
     ramp = [step for step in steps if step.kind == "ramp"]
-    return next((step for step in ramp if step.saturated), ramp[-1])
+    saturated = [step for step in ramp if step.saturated]
+    return max(saturated, key=lambda step: step.events_per_s) if saturated else ramp[-1]
 
 
 def master_cpu_per_event_s(step: Step) -> float | None:
