@@ -46,7 +46,7 @@ class Admission:
 class Tally:
     steps: int = 0
     tokens: int = 0
-    running: int = 0  # summed over steps: / steps is the mean batch
+    scheduled: int = 0  # sequences in each step, summed over steps: / steps is the mean batch
     admissions: list[Admission] = field(default_factory=list)
 
 
@@ -55,12 +55,12 @@ class SyntheticEngine(Engine):
         """What Engine.__init__ sets up, minus what it loads: a model of no layers (nothing is
         computed and no KV cache allocated), the fake model's vocabulary and no end-of-sequence
         token (requests end at their max_tokens), and `config.num_blocks` blocks of bookkeeping."""
-        if config.num_blocks is None or config.scheduler.max_model_len is None:
+        if config.num_blocks is None or config.max_model_len is None:
             raise ValueError("a synthetic engine needs num_blocks and max_model_len in its config")
         self.config, self.model, self.tokenizer = config, FakeModel(VOCAB_SIZE), None
         self.cost = cost
         self.info = ModelInfo(num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0, vocab_size=VOCAB_SIZE,
-                              max_model_len=config.scheduler.max_model_len, eos_token_ids=(), dtype=torch.float32)
+                              max_model_len=config.max_model_len, eos_token_ids=(), dtype=torch.float32)
         self.max_model_len = self.info.max_model_len
         self.num_blocks = config.num_blocks
         self.pins: dict[str, list[int]] = {}
@@ -107,7 +107,7 @@ class SyntheticEngine(Engine):
             outputs.append(output)
         self.tally.steps += 1
         self.tally.tokens += len(sampled)
-        self.tally.running += len(self.scheduler.running)
+        self.tally.scheduled += len(plan.scheduled)
 
     def _final(self, seq: Sequence, output: RequestOutput) -> RequestOutput:
         self.model.prompt_keys.pop(seq, None)  # FakeModel keeps a key per sequence seen: not for ended ones

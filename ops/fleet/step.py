@@ -127,7 +127,7 @@ def step_of(topology: Topology, kind: StepKind, workers: int, in_flight: int, be
         events_written_per_s=round(sum(host.tokens for host in hosts) / wall, 1),
         requests_per_s=round(sum(load.completed for load in loads) / wall, 2),
         steps_per_s=round(steps / wall / workers, 2),
-        batch=round(sum(host.running for host in hosts) / steps, 1) if steps else 0.0,
+        batch=round(sum(host.scheduled for host in hosts) / steps, 1) if steps else 0.0,
         intake=Quantiles.of([value for host in hosts for value in host.intake_s]),
         after_step=Quantiles.of([value for host in hosts for value in host.after_step_s]),
         nodes=nodes,

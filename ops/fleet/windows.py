@@ -12,7 +12,7 @@ class HostWindow:
     cpu_s: float  # the process's CPU time (all its threads)
     steps: int
     tokens: int
-    running: int  # sequences per step, summed over steps
+    scheduled: int  # sequences per step, summed over steps
     # per request taken in: XADD -> the engine (s), and of that the part after the worker's step ended
     intake_s: list[float] = field(default_factory=list)
     after_step_s: list[float] = field(default_factory=list)

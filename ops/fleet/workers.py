@@ -68,7 +68,7 @@ def serve(redis_url: str, cluster: bool, names: list[str], scenario: Scenario, l
 def window(workers: list[Worker], reader, cpu_s: float) -> HostWindow:
     tallies = [worker.engine.take_tally() for worker in workers]
     found = HostWindow(len(workers), cpu_s, sum(tally.steps for tally in tallies),
-                       sum(tally.tokens for tally in tallies), sum(tally.running for tally in tallies))
+                       sum(tally.tokens for tally in tallies), sum(tally.scheduled for tally in tallies))
     admissions = [admission for tally in tallies for admission in tally.admissions]
     for admission, enqueued in zip(admissions, enqueued_at(reader, admissions)):
         if enqueued is not None:
