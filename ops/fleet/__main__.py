@@ -3,8 +3,9 @@
 Synthetic workers, each the real worker loop (worker.service.Worker: intake, claims, fenced event
 writes, heartbeats, reclaims, acks) around an engine whose model is the simulator's (a fake model
 sleeping the cost model's step time: ops/fleet/engine.py), fed by producers that keep every worker
-full and followed by a live consumer on every request, against one Redis node and then against
-a 3-master cluster (ops/local_cluster.py), every master capped to the same share of a core
+full and followed by a live consumer on every request, against one Redis node, a cluster of one
+master (ops/fleet/one_master_cluster.py) and a cluster of three (ops/local_cluster.py), each
+master with a replica, every master capped to the same share of a core
 (--node-cpu, a cgroup CPU quota: root; replicas are measured, not capped). N workers, then more,
 until a master saturates (ops/fleet/ramp.py); each step measures every node's CPU and commands/s,
 the events/s delivered to the consumers, and intake -> admit latency (ops/fleet/step.py).
@@ -12,9 +13,9 @@ the events/s delivered to the consumers, and intake -> admit latency (ops/fleet/
     python -m ops.fleet [--node-cpu 0.05] [--workers 1,2,3,4,6,8] [--out DIR] [--json FILE]
     python -m ops.fleet --quick        # seconds per topology: 1 and 2 workers, short requests
 
-It ends with the scaling from 1 to 3 masters, a master's capacity in events/s per core, what the
-consumers cost, and the masters a fleet of --fleet-workers needs (ops/fleet/capacity.py); --out
-writes fleet.json and fleet.png there.
+It ends with the scaling to 3 masters (from one node, and from one master), a master's capacity
+in events/s per core, what the consumers cost, and the masters a fleet of --fleet-workers needs
+(ops/fleet/capacity.py); --out writes fleet.json and fleet.png there.
 """
 
 from __future__ import annotations
@@ -27,21 +28,21 @@ from pathlib import Path
 from rich.console import Console
 
 from ops.fleet.capacity import summarize
-from ops.fleet.nodes import topology
+from ops.fleet.nodes import TOPOLOGIES, topology
 from ops.fleet.plots import plot
 from ops.fleet.ramp import RampOptions, ramp
 from ops.fleet.report import step_line, steps_table, summary_table
 from ops.fleet.scenario import QUICK, Scenario
 from ops.tool import run_tool
 
-TOPOLOGIES = ("node", "cluster")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES), type=_names,
-                        help="node, cluster or both (default both, in that order)")
+                        help="of node (one plain node), cluster-1 (cluster mode, one master) and cluster (three "
+                             "masters), comma-separated (default all three, in that order)")
     parser.add_argument("--node-cpu", type=float, default=0.05,
                         help="each Redis master's CPU cap, in cores (default 0.05)")
     parser.add_argument("--workers", type=_counts, default=(1, 2, 3, 4, 6, 8),
@@ -94,7 +95,7 @@ def measure(console: Console, args: argparse.Namespace, scenario: Scenario) -> N
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     if not names or set(names) - set(TOPOLOGIES):
-        raise argparse.ArgumentTypeError(f"expected node, cluster or both, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(TOPOLOGIES)}, got {text!r}")
     return names
 
 

@@ -1,7 +1,8 @@
-"""The Redis under test: one node, or LocalCluster's 3 masters with a replica each, every master's
-process under the same CPU cap (cpu_caps.py), and what each node did, read from the node itself:
-INFO's CPU time (used_cpu_user + used_cpu_sys, all its threads), commands processed (Redis counts
-the commands a script calls too) and per-command calls (commandstats), and its group's throttling.
+"""The Redis under test: one node, a cluster of one master and its replica, or LocalCluster's 3
+masters with a replica each; every master's process under the same CPU cap (cpu_caps.py). And
+what each node did, read from the node itself: INFO's CPU time (used_cpu_user + used_cpu_sys, all
+its threads), commands processed (Redis counts the commands a script calls too) and per-command
+calls (commandstats), and its group's throttling.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rich.console import Console
 
 from ops.demo import redis_at
 from ops.fleet.cpu_caps import CpuCaps, Throttling
+from ops.fleet.one_master_cluster import OneMasterCluster
 from ops.local_cluster import LocalCluster
 
 
@@ -43,14 +45,14 @@ class NodeSample:
 
 @dataclass(frozen=True)
 class Topology:
-    kind: str  # "node" or "cluster"
+    kind: str  # one of TOPOLOGIES
     url: str
     nodes: list[Node]
     caps: CpuCaps
 
     @property
     def cluster(self) -> bool:
-        return self.kind == "cluster"
+        return self.kind != "node"
 
     @property
     def masters(self) -> list[Node]:
@@ -58,6 +60,11 @@ class Topology:
 
     def sample(self) -> dict[str, NodeSample]:
         return {node.name: sample(node, self.caps) for node in self.nodes}
+
+
+# What --topologies names: one plain node, or a cluster of LocalCluster's kind (a replica each).
+CLUSTERS = {"cluster-1": OneMasterCluster, "cluster": LocalCluster}
+TOPOLOGIES = ("node", *CLUSTERS)
 
 
 @contextlib.contextmanager
@@ -68,13 +75,13 @@ def topology(kind: str, scratch: Path, cores: float, console: Console) -> Iterat
             url = stack.enter_context(redis_at(None, scratch, console))
             nodes = [Node("node", True, redis.Redis.from_url(url))]
         else:
-            cluster = stack.enter_context(LocalCluster(scratch / "cluster"))
+            cluster = stack.enter_context(CLUSTERS[kind](scratch / "cluster"))
             url = cluster.url
             nodes = [Node(f"{'master' if found['master'] else 'replica'}:{found['port']}", found["master"],
                           redis.Redis(port=found["port"]))
                      for found in sorted(cluster.nodes(), key=lambda found: (not found["master"], found["port"]))]
             console.print(f"[bold]redis:[/] started a cluster of {len(nodes)} redis-servers "
-                          f"({sum(node.master for node in nodes)} masters, each with a replica) at {url}")
+                          f"({sum(node.master for node in nodes)} master(s), each with a replica) at {url}")
         for node in nodes:
             caps.add(node.group, node.client.info("server")["process_id"], capped=node.master)
         console.print(f"[bold]redis:[/] each master capped to {cores:g} core (CFS quota {caps.quota_us} us "

@@ -10,14 +10,14 @@ from matplotlib.figure import Figure
 
 from ops.fleet.step import Step
 
-LABELS = {"node": "1 master", "cluster": "3 masters"}
+LABELS = {"node": "one node", "cluster-1": "cluster, 1 master", "cluster": "cluster, 3 masters"}
 
 
 def plot(ramps: dict[str, list[Step]], directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     figure = Figure(figsize=(11, 4.5), layout="constrained")
     throughput, latency = figure.subplots(1, 2)
-    for (kind, steps), colour in zip(ramps.items(), ("tab:blue", "tab:orange")):
+    for (kind, steps), colour in zip(ramps.items(), ("tab:blue", "tab:green", "tab:orange")):
         ramp = [step for step in steps if step.kind == "ramp"]
         workers = [step.workers for step in ramp]
         throughput.plot(workers, [step.events_per_s for step in ramp], "o-", color=colour, label=LABELS[kind])

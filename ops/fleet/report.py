@@ -6,6 +6,8 @@ from rich.table import Table
 
 from ops.fleet.step import Step
 
+TITLES = {"node": "one node", "cluster-1": "a cluster of one master", "cluster": "a cluster of three masters"}
+
 
 def step_line(step: Step) -> str:
     masters = " ".join(f"{node.cpu_share:.0%}" for node in step.nodes if node.master)
@@ -18,7 +20,7 @@ def step_line(step: Step) -> str:
 
 
 def steps_table(kind: str, steps: list[Step]) -> Table:
-    table = Table(title=f"fleet on {'one node' if kind == 'node' else 'the cluster'}: a row per step")
+    table = Table(title=f"fleet on {TITLES[kind]}: a row per step")
     for column in ("workers", "step", "cap\n(cores)", "in\nflight", "events/s\ndelivered", "written/s", "req/s",
                    "steps/s\nper worker", "batch", "intake->admit\nP50 / P99 ms", "after step\nP50 / P99 ms",
                    "node: CPU cores (of cap) · cmd/s · throttled", "workers' /\nload cores", "machine\nbusy",
@@ -56,8 +58,9 @@ def summary_table(summary: dict) -> Table:
         if found["consumers_share_of_master_cpu"] is not None:
             table.add_row(f"{kind}: consumers' share of the masters' CPU per event",
                           f"{found['consumers_share_of_master_cpu']:.0%}")
-    if "scaling" in summary:
-        table.add_row("events/s delivered, cluster / node", f"{summary['scaling']['ratio']}x")
+    for ratio, found in summary.get("scaling", {}).items():
+        bound = "" if found["both_saturated"] else " (not both saturated)"
+        table.add_row(f"events/s delivered, {ratio}{bound}", f"{found['ratio']}x")
     fleet = summary["fleet"]
     table.add_row(f"{fleet['workers']:,} workers x {fleet['seqs_per_worker']} sequences x {fleet['steps_per_s']} "
                   "steps/s", f"{fleet['events_per_s']:,} events/s")
