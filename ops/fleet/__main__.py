@@ -56,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fleet-workers", type=int, default=1000, help="the fleet the summary sizes (default 1000)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true",
-                        help="1 and 2 workers, 1 s warm-ups and 1.5 s windows, requests of 16-48 tokens")
+                        help="1 and 2 workers, 1 s warm-ups and 1 s windows, requests of 16-48 tokens")
     parser.add_argument("--out", type=Path, help="write fleet.json and the PNG plots here")
     parser.add_argument("--json", type=Path, help="write every figure here as JSON")
     args = parser.parse_args(argv)
     if args.quick:
-        args.workers, args.warmup, args.window = (1, 2), 1.0, 1.5
+        args.workers, args.warmup, args.window = (1, 2), 1.0, 1.0
     if args.workers_per_process < 1 or args.load_processes < 1:
         parser.error("--workers-per-process and --load-processes must be at least 1")
     console = Console()

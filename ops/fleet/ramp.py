@@ -4,13 +4,14 @@ out of CPU, or the steps run out. The requests' tenant (the default one) is regi
 intake shard per master, as an operator spreads a busy tenant over a cluster (`streambatch tenant
 add --shards`).
 
-The first step's workers are measured twice more, with every master's cap raised so that the
-busiest would run at half of it (twice the CPU the first step shows it needs at the workers' full
-pace, CostModel's): once as ever, for the latency at half a node's capacity with the workload's
-own shape (full workers, whose steps carry 64 events each: fewer sequences per worker would make
-every event dearer, as fewer commands share each round trip), and once without consumers,
-requests submitted at the rate the first of the two completed them, nobody following them, so
-that the masters' CPU per event with and without consumers says what the consumers cost Redis.
+The first step's workers are then measured three times more, every master's cap raised. First
+with the caps far above what they can use (PROBE_HEADROOM times what the first step suggests): the
+busiest master's CPU there is what these workers need of it. Then with the caps at twice that, so
+that the busiest runs at half its cap: the latency at half a node's capacity, with the workload's
+own shape (full workers, whose steps carry 64 events each; fewer sequences per worker would make
+every event dearer, as fewer commands share each round trip). Last at the same caps without
+consumers: requests submitted at the rate the step before completed them, nobody following them,
+so that the masters' CPU per event with and without consumers says what the consumers cost Redis.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ops.fleet.generators import Generators
 from ops.fleet.nodes import Topology
 from ops.fleet.scenario import Scenario
 from ops.fleet.step import Step, StepKind, machine_cpu, step_of
+
+PROBE_HEADROOM = 3  # the estimate runs high already: at its pace the workers would write more than they can
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,9 @@ def ramp(topology: Topology, scenario: Scenario, options: RampOptions, scratch: 
             generators.grow(workers, in_flight)
             step = measured("ramp", workers, in_flight)
             if step is steps[0]:
-                with topology.caps.raised(2 * full_pace_cpu(step, scenario)):
+                with topology.caps.raised(PROBE_HEADROOM * full_pace_cpu(step, scenario)):
+                    needed = measured("probe", workers, in_flight).busiest.cpu_cores
+                with topology.caps.raised(2 * needed):
                     half = measured("half capacity", workers, in_flight)
                     generators.unfollowed(half.requests_per_s)
                     measured("no consumers", workers, in_flight)
@@ -78,8 +83,8 @@ def ramp(topology: Topology, scenario: Scenario, options: RampOptions, scratch: 
 
 
 def full_pace_cpu(step: Step, scenario: Scenario) -> float:
-    """The busiest master's CPU with the step's workers at their full pace: what the step measured,
-    scaled by the events the workers would write at CostModel's pace over those they wrote."""
+    """About the busiest master's CPU with the step's workers at their full pace: what the step
+    measured, scaled by the events they would write at CostModel's pace over those they wrote."""
     offered = step.workers * scenario.seqs_per_worker * scenario.decode_steps_per_s
     return step.busiest.cpu_cores * offered / step.events_written_per_s
 

@@ -19,8 +19,9 @@ from ops.percentile import percentile
 SATURATED = 0.9
 MACHINE_BUSY = 0.95
 
-# "ramp": N workers kept full; "half capacity" and "no consumers": the same, each master's cap raised (ramp.py)
-StepKind = Literal["ramp", "half capacity", "no consumers"]
+# "ramp": N workers kept full; "probe", "half capacity" and "no consumers": the first step's
+# workers, each master's cap raised (ramp.py)
+StepKind = Literal["ramp", "probe", "half capacity", "no consumers"]
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Step:
     batch: float  # sequences per step, mean
     intake: Quantiles  # a request's XADD -> the engine taking it (add_request)
     after_step: Quantiles  # of that, the part after the worker's step in progress ended: its Redis round trips
+    after_step_cpu: Quantiles  # the worker's own CPU in that part (requests waiting when the step ended)
     nodes: list[NodeFigures]
     worker_cores: float  # the worker processes' CPU
     load_cores: float  # the producers' and consumers' CPU
@@ -85,6 +87,7 @@ class Step:
     def as_json(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
             "intake": vars(self.intake), "after_step": vars(self.after_step),
+            "after_step_cpu": vars(self.after_step_cpu),
             "nodes": [vars(node) for node in self.nodes],
             "saturated": self.saturated, "generator_bound": self.generator_bound}
 
@@ -130,6 +133,7 @@ def step_of(topology: Topology, kind: StepKind, workers: int, in_flight: int, be
         batch=round(sum(host.scheduled for host in hosts) / steps, 1) if steps else 0.0,
         intake=Quantiles.of([value for host in hosts for value in host.intake_s]),
         after_step=Quantiles.of([value for host in hosts for value in host.after_step_s]),
+        after_step_cpu=Quantiles.of([value for host in hosts for value in host.after_step_cpu_s]),
         nodes=nodes,
         worker_cores=round(sum(host.cpu_s for host in hosts) / wall, 3),
         load_cores=round(sum(load.cpu_s for load in loads) / wall, 3),

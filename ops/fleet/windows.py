@@ -16,6 +16,8 @@ class HostWindow:
     # per request taken in: XADD -> the engine (s), and of that the part after the worker's step ended
     intake_s: list[float] = field(default_factory=list)
     after_step_s: list[float] = field(default_factory=list)
+    # per request that was waiting when the step ended: the worker's CPU from the step's end to taking it
+    after_step_cpu_s: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -74,6 +74,8 @@ def window(workers: list[Worker], reader, cpu_s: float) -> HostWindow:
         if enqueued is not None:
             found.intake_s.append(admission.at - enqueued)
             found.after_step_s.append(admission.at - max(enqueued, admission.previous_step_end))
+            if enqueued <= admission.previous_step_end:
+                found.after_step_cpu_s.append(admission.cpu_since_step)
     return found
 
 

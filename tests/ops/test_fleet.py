@@ -21,13 +21,14 @@ def test_a_quick_fleet_run_measures_one_node_and_the_cluster(tmp_path, capsys):
     assert set(figures["steps"]) == {"node", "cluster"}
     for kind, steps in figures["steps"].items():
         assert steps and steps[0]["workers"] == 1
-        assert [step["kind"] for step in steps[:3]] == ["ramp", "half capacity", "no consumers"]
+        assert [step["kind"] for step in steps[:4]] == ["ramp", "probe", "half capacity", "no consumers"]
         assert {step["node_cpu"] for step in steps if step["kind"] == "ramp"} == {figures["node_cpu"]}
-        assert steps[1]["node_cpu"] == steps[2]["node_cpu"] > figures["node_cpu"]
+        assert steps[2]["node_cpu"] == steps[3]["node_cpu"] > figures["node_cpu"]
         for step in steps:
             followed = step["kind"] != "no consumers"
             assert step["events_written_per_s"] > 0 and (step["events_per_s"] > 0) == followed
             assert step["intake"]["count"] > 0 and step["intake"]["p99_ms"] >= step["after_step"]["p99_ms"] >= 0
+            assert step["after_step_cpu"]["count"] > 0
             assert step["steps_per_s"] > 0 and step["batch"] > 0 and not step["failures"]
             masters = [node for node in step["nodes"] if node["master"]]
             assert len(masters) == (1 if kind == "node" else 3) and len(step["nodes"]) == (1 if kind == "node" else 6)
