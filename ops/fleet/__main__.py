@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=_counts, default=(1, 2, 3, 4, 6, 8),
                         help="the ramp's worker counts, rising (default 1,2,3,4,6,8)")
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds before each window (default 8)")
-    parser.add_argument("--window", type=float, default=15.0, help="seconds each step is measured over (default 15)")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds each step is measured over (default 20)")
     parser.add_argument("--workers-per-process", type=int, default=2,
                         help="synthetic workers sharing a process, each in a thread (default 2)")
     parser.add_argument("--load-processes", type=int, default=2,
