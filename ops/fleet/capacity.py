@@ -3,7 +3,7 @@
 - A topology's capacity: the most events/s delivered at a saturated step (a master at its CPU
   cap: the first such step, or the one after it). A ramp that ended without one (the machine ran
   out of CPU first, or the steps ran out) gives its last step's figure, marked as a lower bound.
-- A node's capacity per core: token events written on the masters per second over the masters'
+- A master's capacity per core: token events written on the masters per second over the masters'
   CPU, at that step. A Redis master runs its commands on one thread, so a master's capacity is
   about this figure times one core; it is measured on a share of a core, which assumes that the
   work per event does not depend on the share.

@@ -5,9 +5,9 @@ One AsyncProducer per process keeps `target` requests in flight in a closed loop
 submits a request, follows its events live to the end (producer.stream: the replay stream read at
 every nudge on its channel), and submits the next. When the target falls, the slots above it
 cancel their requests (producer.cancel), so that the load falls within a step or two rather than
-a request's length. The streams of a producer share one subscribed
-connection per node and batch their replay reads into one pipeline per turn of the event loop
-(producer/multiplex.py), which is how one process follows thousands.
+a request's length. The streams of a producer share one subscribed connection per node and batch
+their replay reads into one pipeline per turn of the event loop (producer/multiplex.py), which is
+how one process follows thousands.
 
 The parent drives it over a pipe: ("target", n) sets the requests in flight, "window" answers what
 was delivered since the last one (LoadWindow), "stop" ends the process. ("unfollowed", rate), for

@@ -2,12 +2,13 @@
 
 The default is the issue's fleet figure: workers of 64 sequences at about 50 steps/s. A decode
 step of 64 sequences costs about 20 ms (CostModel with an 18 ms fixed part, the simulator's
-default per-token and per-KV-read parts), and a step with a prompt chunk in it more. Requests
-are 64-192 prompt tokens and 128-384 output tokens (uniform), so that completions, and with them
-new requests, come at an even pace rather than in waves; each goes to the lane the lane rule picks
-(the default's to the normal lane, the quick run's short ones to the fast lane). The load keeps `seqs_per_worker` +
-`intake_ahead` / 2 requests per worker in flight: every worker full, a few more waiting in its
-engine, next to nothing waiting in Redis.
+default per-token and per-KV-read parts), and a step with a prompt chunk in it more; the worker's
+turn around the step (its Redis round trips, its own Python) comes on top. Requests are 64-192
+prompt tokens and 128-384 output tokens (uniform), so that completions, and with them new
+requests, come at an even pace rather than in waves; each goes to the lane the lane rule picks
+(the default's to the normal lane, the quick run's short ones to the fast lane). The load keeps
+`seqs_per_worker` + `intake_ahead` / 2 requests per worker in flight: every worker full, a few
+more waiting in its engine, next to nothing waiting in Redis.
 """
 
 from __future__ import annotations

@@ -63,8 +63,10 @@ class Step:
     steps_per_s: float  # per worker
     batch: float  # sequences per step, mean
     intake: Quantiles  # a request's XADD -> the engine taking it (add_request)
-    after_step: Quantiles  # of that, the part after the worker's step in progress ended: its Redis round trips
-    after_step_cpu: Quantiles  # the worker's own CPU in that part (requests waiting when the step ended)
+    # of that, the part after the worker's step in progress ended: the rest of its turn (its Redis
+    # round trips, and its own Python), and of that the worker's own CPU (requests waiting at the step's end)
+    after_step: Quantiles
+    after_step_cpu: Quantiles
     nodes: list[NodeFigures]
     worker_cores: float  # the worker processes' CPU
     load_cores: float  # the producers' and consumers' CPU
