@@ -1,6 +1,7 @@
 """A Redis Cluster of redis-server processes on loopback (3 masters, each with a replica), for the
-cluster tests and ops tools (ops/fleet.py): started with `redis-cli --cluster create`, a short
-cluster-node-timeout so that a dead master's replica takes over within seconds, stopped (killed)
+cluster tests and ops tools (ops/fleet): started with `redis-cli --cluster create`, a short
+cluster-node-timeout so that a dead master's replica takes over within seconds, ready once every
+replica has synced (so that a WAIT is answered at once, not after its timeout), stopped (killed)
 on the way out."""
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class LocalCluster:
         self.processes[port] = subprocess.Popen(
             [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-config-file", str(directory / "nodes.conf"), "--cluster-node-timeout",
-             str(self.NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no", "--dir", str(directory), *self.options],
+             str(self.NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no", "--dir", str(directory),
+             "--repl-diskless-sync-delay", "0", *self.options],  # a replica syncs at once, not 5 s later
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def __enter__(self) -> LocalCluster:
@@ -61,7 +63,7 @@ class LocalCluster:
             self.wait(lambda: redis.Redis(port=port).ping(), f"node {port} up")
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
                         "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        self.wait(self.healthy, "the cluster's slots covered, and every master with a replica")
+        self.wait(self.healthy, "the cluster's slots covered, and every master with a synced replica")
         time.sleep(0.2)
         return self
 
@@ -104,7 +106,9 @@ class LocalCluster:
         replicated = {node["master_id"] for node in nodes if not node["master"] and node["alive"]}
         return (len(masters) == 3 and all(master["id"] in replicated for master in masters)
                 and all(redis.Redis(port=node["port"]).cluster("info")["cluster_state"] == "ok"
-                        for node in nodes if node["alive"]))
+                        for node in nodes if node["alive"])
+                and all(redis.Redis(port=node["port"]).info("replication").get("master_link_status") == "up"
+                        for node in nodes if node["alive"] and not node["master"]))
 
     def masters(self) -> list[int]:
         return [node["port"] for node in self.nodes() if node["master"] and node["alive"] and node["slots"]]
