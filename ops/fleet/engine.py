@@ -16,12 +16,12 @@ the two (the turn's own Python: writing the step's events, acks, the intake read
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from worker.engine.config import EngineConfig
+from worker.engine.cost_model import kv_reads, sampled_rows
 from worker.engine.engine import Engine
 from worker.engine.models import ModelInfo
 from worker.engine.outputs import RequestOutput
@@ -37,7 +37,7 @@ TOKEN_TEXT = " and"
 
 
 @dataclass
-class Admission:
+class AdmitTiming:
     request_id: str  # the engine's id: "<tenant>/<request id>" (worker/flight.py)
     at: float  # unix seconds, when the worker handed it to the engine
     previous_step_end: float  # unix seconds, when the engine's latest step before it ended (0: none yet)
@@ -49,7 +49,7 @@ class Tally:
     steps: int = 0
     tokens: int = 0
     scheduled: int = 0  # sequences in each step, summed over steps: / steps is the mean batch
-    admissions: list[Admission] = field(default_factory=list)
+    admissions: list[AdmitTiming] = field(default_factory=list)
 
 
 class SyntheticEngine(Engine):
@@ -63,17 +63,8 @@ class SyntheticEngine(Engine):
         self.cost = cost
         self.info = ModelInfo(num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0, vocab_size=VOCAB_SIZE,
                               max_model_len=config.max_model_len, eos_token_ids=(), dtype=torch.float32)
-        self.max_model_len = self.info.max_model_len
-        self.num_blocks = config.num_blocks
-        self.pins: dict[str, list[int]] = {}
-        self._new_scheduler()
+        self._init_bookkeeping(config.max_model_len, config.num_blocks)
         self.ranks = self.runner = None
-        self.requests = {}
-        self.last_step_tokens = 0
-        self.num_failed_steps = 0
-        self.suspects: deque[str] = deque()
-        self.on_probation: str | None = None
-        self.ended_outside: list[Sequence] = []
         self.tally = Tally()
         self.step_seconds = 0.0  # what the cost model gives the step in progress
         self.last_step_end = 0.0
@@ -81,7 +72,7 @@ class SyntheticEngine(Engine):
 
     def add_request(self, request_id: str, **options) -> Sequence:
         seq = super().add_request(request_id, **options)
-        self.tally.admissions.append(Admission(request_id, time.time(), self.last_step_end,
+        self.tally.admissions.append(AdmitTiming(request_id, time.time(), self.last_step_end,
                                                time.thread_time() - self.last_step_end_cpu))
         return seq
 
@@ -102,7 +93,8 @@ class SyntheticEngine(Engine):
                     if seq.request_id in self.requests and self.requests[seq.request_id].seq is seq]
         if not plan.scheduled:
             return
-        self.step_seconds = self.cost.step_time(plan)
+        # the engine's part of the turn: the publish after it is real
+        self.step_seconds = self.cost.engine_time(plan.num_tokens, kv_reads(plan), sampled_rows(plan))
         sampled = self.model.execute(plan)
         self.scheduler.update(plan, sampled)
         for seq, token in sampled.items():

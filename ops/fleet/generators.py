@@ -9,7 +9,6 @@ never imports it.
 from __future__ import annotations
 
 import multiprocessing
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 from ops.demo import DemoError, last_lines

@@ -46,7 +46,8 @@ class Scenario:
     def decode_steps_per_s(self) -> float:
         """A full worker's step rate by the cost model alone (decodes at the mean context)."""
         context = (sum(self.prompt_tokens) + sum(self.output_tokens) / 2) / 2
-        return 1 / self.cost.time_of(self.seqs_per_worker, round(self.seqs_per_worker * context))
+        seqs = self.seqs_per_worker
+        return 1 / self.cost.engine_time(seqs, round(seqs * context), seqs)
 
     @property
     def max_model_len(self) -> int:

@@ -24,7 +24,7 @@ from producer.protocol import Keys
 from worker.logs import configure_logging
 from worker.service import Worker
 
-from ops.fleet.engine import Admission, SyntheticEngine
+from ops.fleet.engine import AdmitTiming, SyntheticEngine
 from ops.fleet.scenario import Scenario
 from ops.fleet.windows import HostWindow
 
@@ -79,7 +79,7 @@ def window(workers: list[Worker], reader, cpu_s: float) -> HostWindow:
     return found
 
 
-def enqueued_at(reader, admissions: list[Admission]) -> list[float | None]:
+def enqueued_at(reader, admissions: list[AdmitTiming]) -> list[float | None]:
     """When each request's entry was XADDed (unix seconds, to the millisecond, rounded down: the
     entry id's time part), read from its attempt key, "<attempt> <stream> <entry id>" (claims.py),
     which outlives the request by the replay TTL. None for one whose key is gone or elsewhere."""

@@ -92,13 +92,10 @@ class Engine:
                                 else load_model(config.model, config.dtype, device, on_phase))
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.info = ModelInfo.from_model(model, tokenizer).per_rank(ranks)  # the KV cache holds this rank's heads
-        self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
-        self.num_blocks = config.num_blocks or num_blocks_for_memory(
-            config.kv_cache_memory or kv_cache_memory(device), self.info, config.block_size)
-        self.pins: dict[str, list[int]] = {}  # name -> the pinned prefix's token ids, whole blocks
-        self.tenant_shares: dict[str, TenantShare] = {}  # weights and running caps (set_tenants)
-        self.costs: LiveCosts | None = None  # with an ITL SLO, once calibrated
-        self._new_scheduler()
+        self._init_bookkeeping(
+            min(config.max_model_len or self.info.max_model_len, self.info.max_model_len),
+            config.num_blocks or num_blocks_for_memory(config.kv_cache_memory or kv_cache_memory(device), self.info,
+                                                       config.block_size))
         self.ranks: Ranks | None = None
         if ranks > 1:
             on_phase(f"starting {ranks - 1} more tensor-parallel rank process{'es' if ranks > 2 else ''} "
@@ -109,16 +106,25 @@ class Engine:
         if self.ranks is not None:
             on_phase(f"waiting for the other tensor-parallel ranks (pids {', '.join(map(str, self.ranks.pids))})")
             self.ranks.wait_ready()
+        if config.scheduler.itl_slo_ms is not None:
+            on_phase(f"fitting the step cost model for the ITL SLO ({CALIBRATION_STEPS} steps of varied shapes)")
+            self.costs = LiveCosts(calibration.measure(self, CALIBRATION_STEPS))
+            self._new_scheduler()  # a fresh pool, and the SLO held from now on
+
+    def _init_bookkeeping(self, max_model_len: int, num_blocks: int) -> None:
+        """What the engine keeps apart from the model and its runner: the scheduler and its pool,
+        pins, tenants, requests, failed steps."""
+        self.max_model_len, self.num_blocks = max_model_len, num_blocks
+        self.pins: dict[str, list[int]] = {}  # name -> the pinned prefix's token ids, whole blocks
+        self.tenant_shares: dict[str, TenantShare] = {}  # weights and running caps (set_tenants)
+        self.costs: LiveCosts | None = None  # with an ITL SLO, once calibrated
+        self._new_scheduler()
         self.requests: dict[str, _Request] = {}
         self.last_step_tokens = 0  # tokens computed by the latest step (metrics, benchmarks)
         self.num_failed_steps = 0
         self.suspects: deque[str] = deque()  # requests of failed steps, waiting to go back one by one
         self.on_probation: str | None = None  # the suspect back in the scheduler
         self.ended_outside: list[Sequence] = []  # suspects cancelled before going back
-        if config.scheduler.itl_slo_ms is not None:
-            on_phase(f"fitting the step cost model for the ITL SLO ({CALIBRATION_STEPS} steps of varied shapes)")
-            self.costs = LiveCosts(calibration.measure(self, CALIBRATION_STEPS))
-            self._new_scheduler()  # a fresh pool, and the SLO held from now on
 
     def _new_scheduler(self) -> None:
         """A fresh scheduler and pool; under an ITL SLO, held to it once the cost model is fitted."""
