@@ -3,9 +3,10 @@
 
 - A tenant's producer (`tenant-<name>`): XADD to its own lane streams (every shard); read its
   requests' replay streams and submission keys, its streams' lengths and pending counts, and its
-  settings (shards, backlog limit); SUBSCRIBE to its requests' channels; SET (and DEL) its submission keys, SET its
-  cancel keys and PUBLISH on its cancel channel and, on a cluster, its enqueue channel. Nothing else: no other tenant's key or channel, no shared key (registry, pins,
-  dead letters, heartbeats), no SCAN, KEYS, EVAL, FLUSHALL, CONFIG, DEBUG, MODULE or SCRIPT, and
+  settings (shards, backlog limit); SUBSCRIBE to its requests' channels; SET (and DEL) its
+  submission keys, SET its cancel keys, PUBLISH on its cancel channel and, on a cluster, SPUBLISH
+  on its streams' enqueue channels. Nothing else: no other tenant's key or channel, no shared key
+  (registry, pins, dead letters, heartbeats), no SCAN, KEYS, EVAL, FLUSHALL, CONFIG, DEBUG, MODULE or SCRIPT, and
   no DEL or SET of a stream, nor an XADD to a replay stream (that would forge events).
 - The gateway (`gateway`, producer/gateway): a producer's rights on every tenant's keys, plus
   reads of the tenant registry (API keys' hashes) and the heartbeats (the models served), and
@@ -44,7 +45,7 @@ _WORKER_COMMANDS = [
     "+xgroup|create", "+xgroup|delconsumer", "+xtrim", "+xlen", "+xrange",
     "+evalsha", "+script|load", "+script|exists",
     "+get", "+set", "+expire", "+pexpire", "+exists", "+del", "+hgetall", "+publish", "+subscribe", "+unsubscribe",
-    "+spublish",  # the fenced write's, on a cluster
+    "+spublish", "+ssubscribe", "+sunsubscribe",  # on a cluster: the fenced write's; the enqueue nudges
 ]
 _OPERATOR_COMMANDS = [
     "+scan", "+type", "+get", "+exists", "+hgetall", "+hget", "+hexists", "+hset", "+hdel", "+xlen", "+xrange", "+xrevrange",
@@ -77,7 +78,8 @@ def _producer_rules(keys: Keys) -> list[str]:
             f"(+xadd {' '.join(streams)})",
             f"(+set +del ~{_pattern(keys.submitted(ANY_NAME))})",
             f"(+set ~{_pattern(keys.cancelled(ANY_NAME))})",
-            f"(+publish &{_pattern(keys.cancel_channel)} &{_pattern(keys.enqueued)})"]
+            f"(+publish &{_pattern(keys.cancel_channel)})",
+            f"(+spublish {' '.join(f'&{_pattern(keys.enqueued(lane, ANY_NAME))}' for lane in LANES)})"]
 
 
 def role_rules(role: Role, keys: Keys) -> list[str]:

@@ -149,7 +149,8 @@ class ProducerCore:
         lane = choose_lane(request)
         settings = yield from self.settings(SUBMIT_PATIENCE_S)
         shards, limit = settings.shards, min(self.max_backlog, settings.max_backlog)
-        stream = self.keys.requests(lane, shard_of(request.id, shards))
+        shard = shard_of(request.id, shards)
+        stream = self.keys.requests(lane, shard)
         max_backlog = -(-limit // shards)  # the lane's limit, shared by its shards
         claim, token = self.keys.submitted(request.id), uuid.uuid4().hex
         gives_up_at = time.monotonic() + SUBMIT_PATIENCE_S
@@ -170,17 +171,19 @@ class ProducerCore:
                 yield Call((command("delete", claim),))
                 raise QueueFull(lane, backlog * shards, limit)
             try:
-                yield from self._enqueue(stream, entry, claim, Submission(lane, by=token))
+                yield from self._enqueue(stream, entry, claim, Submission(lane, by=token),
+                                         self.keys.enqueued(lane, shard))
                 return lane, False
             except Disconnected:
                 if time.monotonic() >= gives_up_at:
                     raise
 
-    def _enqueue(self, stream: str, entry: bytes, claim: str, queued: Submission) -> Flow:
+    def _enqueue(self, stream: str, entry: bytes, claim: str, queued: Submission, nudge: str) -> Flow:
         """The entry, and the id marked queued: one MULTI on one node. On a cluster the stream and the
         id's keys are in two slots, so the entry goes first (on a replica too, before the mark: a
         failover of the stream's node must not leave an id marked queued without its entry), then
-        the mark, then a nudge for idle workers (they cannot block on streams of several nodes): a
+        the mark, then a nudge for idle workers (they cannot block on streams of several nodes;
+        `nudge`: the stream's channel, Keys.enqueued): a
         submit cut short after the entry enqueues it again, and the worker refuses the second entry
         as a duplicate of the id (design.md, rule 2)."""
         if not self.cluster:
@@ -189,7 +192,7 @@ class ProducerCore:
             return
         yield Call((command("xadd", stream, {FIELD: entry}),), replicated=True)
         yield Call((command("set", claim, encode(queued), xx=True, ex=self.claim_ttl),))
-        yield Call((command("publish", self.keys.enqueued, queued.lane),))
+        yield Call((command("spublish", nudge, b""),))
 
     def settings(self, patience_s: float) -> Flow:
         """-> the tenant's TenantSettings (Keys.settings), read again once SETTINGS_REFRESH_S old,

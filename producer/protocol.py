@@ -464,15 +464,13 @@ class Keys:
     - `worker(name)`: the heartbeat, a few seconds past the next beat.
     - `dead_letters`: trimmed to the workers' --dead-letter-ttl, and capped.
     - `pins`, `tenants`, `settings`: permanent, operator-managed.
-    - `tokens(id)`, `cancel_channel`, `enqueued`: channels, nothing stored.
+    - `tokens(id)`, `cancel_channel`, `enqueued(lane, shard)`: channels, nothing stored.
     """
 
     def __init__(self, prefix: str = "sb", tenant: str = DEFAULT_TENANT) -> None:
         self.prefix, self.tenant = prefix, tenant if tenant == ANY_NAME else check_tenant(tenant)
         self.tenant_prefix = f"{prefix}:t:{tenant}:"
         self.cancel_channel = f"{self.tenant_prefix}cancel"
-        # A cluster producer's nudge after each enqueue, for idle workers (producer/connect.py).
-        self.enqueued = f"{self.tenant_prefix}enqueued"
         self.dead_letters = f"{prefix}:dead"
         self.tenants = f"{prefix}:tenants"  # hash: the tenant registry, name -> Tenant as JSON
 
@@ -484,6 +482,12 @@ class Keys:
         """The tenant's intake stream of a lane: one of its shards (Tenant.shards), each with a hash
         tag of its own, so that a busy (tenant, lane) spreads over a cluster's nodes."""
         return f"{self.tenant_prefix}req:{{{self.tenant}.{lane}.{shard}}}"
+
+    def enqueued(self, lane: Lane, shard: int | str = 0) -> str:
+        """On a cluster, the channel a producer nudges (SPUBLISH) after an enqueue on that stream, for
+        idle workers (no read blocks across nodes): in the stream's slot, so a nudge goes to that
+        shard's node alone, never over the whole cluster's bus."""
+        return f"{self.tenant_prefix}enq:{{{self.tenant}.{lane}.{shard}}}"
 
     @property
     def settings(self) -> str:

@@ -23,7 +23,7 @@ from worker.entries import Entry, Rejected, decode_entry
 from worker.fair_intake import IntakeShares
 from worker.flight import Flight, engine_id
 from worker.metrics import Metrics
-from worker.subscription import Subscription
+from worker.nudges import Nudges
 from worker.tenants import LaneStreams
 
 DEAD_LETTERS_MAXLEN = 100_000  # approximate: a flood of garbage must not grow Redis without bound
@@ -58,7 +58,7 @@ class Intake:
         self.streams, self.replay_ttl = streams, replay_ttl
         self.claims, self.metrics, self.log = claims, metrics, log
         self.cluster = is_cluster(client)
-        self.enqueued = Subscription(client)  # on a cluster: the producers' nudges (Keys.enqueued)
+        self.nudges = Nudges(client) if self.cluster else None  # the producers' enqueue nudges (nudges.py)
         self.shares = {lane: IntakeShares() for lane in LANES}  # between tenants, per lane (fair_intake.py)
 
     def set_weights(self, weights: dict[str, float]) -> None:
@@ -71,7 +71,8 @@ class Intake:
         for name in self.streams.names if names is None else names:
             ensure_group(self.client, name)
         if self.cluster:
-            self.enqueued.add([stream.keys.enqueued for stream in self.streams.by_name.values()])
+            self.nudges.set_channels([stream.keys.enqueued(stream.lane, stream.shard)
+                                      for stream in self.streams.by_name.values()])
 
     def take(self, room: int, block_ms: int | None, flights: Mapping[str, Flight],
              in_engine: Container[str]) -> list[Admission]:
@@ -143,8 +144,10 @@ class Intake:
         when the engine is idle: the wait would stall running requests) on one node, one read of
         every stream that waits that long for the first entry, taking up to a share of each; on a
         cluster, where no read blocks across nodes, an idle worker that finds nothing waits up to
-        block_ms for a producer's enqueue nudge and reads again at once if one came: so it polls at
-        most 1000 / block_ms times a second (once with the defaults) while nothing comes."""
+        block_ms for a producer's enqueue nudge (nudges.py) and reads again at once if one came: so
+        it polls at most 1000 / block_ms times a second (once with the defaults) while nothing comes."""
+        if self.nudges is not None and block_ms is None:
+            self.nudges.stop()  # work to do: no nudges while there is
         if room <= 0:
             return []
         if block_ms is not None and not self.cluster:
@@ -152,8 +155,12 @@ class Intake:
             return self._entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
                                                           count=_share(room, len(names)), block=block_ms))
         entries = self._read_shares(room)
-        if not entries and block_ms is not None and self.enqueued.messages(timeout=block_ms / 1000):
-            return self._read_shares(room)
+        if entries or block_ms is None:
+            return entries
+        if self.nudges.follow():  # subscribed just now: what came before it is found by reading again
+            entries = self._read_shares(room)
+        if not entries and self.nudges.wait(block_ms / 1000):
+            entries = self._read_shares(room)
         return entries
 
     def _read_shares(self, room: int) -> list[Entry]:

@@ -461,7 +461,8 @@ class Worker:
             self.log.error("worker.close_failed", error=str(error))
         self.step_watch.close()
         self.cancels.close()
-        self.intake.enqueued.close()
+        if self.intake.nudges is not None:
+            self.intake.nudges.stop()
         self.intake.blocking.close()
         self.client.close()
         self.engine.close()

@@ -1,10 +1,10 @@
-"""Classic pub/sub channels that the worker loop polls (cancel nudges; on a cluster, enqueue nudges).
+"""Classic pub/sub channels that the worker loop polls (the cancel nudges).
 
 On one node redis-py reconnects a lost subscribed connection and subscribes again by itself. On a
 cluster its pub/sub connection is bound to the node it first chose, which a failover may take
 away for good: so after a lost connection the subscription is made anew, on a node that answers,
-with every channel. Whatever was published meanwhile is lost, which each user covers (the cancel
-keys are swept every heartbeat; an idle worker reads its streams at least every block_ms).
+with every channel. Whatever was published meanwhile is lost, which the cancel keys cover:
+they are swept every heartbeat.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ class Subscription:
             self.channels.update(new)
             self._subscribed(new)
 
-    def messages(self, timeout: float = 0.0) -> list[dict]:
-        """The first message within `timeout` s, and every one already queued behind it; nothing
-        after a lost connection (it is made anew at the next call)."""
+    def messages(self) -> list[dict]:
+        """Every message already queued, without waiting; nothing after a lost connection (it is
+        made anew at the next call)."""
         pubsub = self._subscribed()
         if pubsub is None:
             return []
         try:
-            found, message = [], pubsub.get_message(timeout=timeout)
+            found, message = [], pubsub.get_message(timeout=0)
             while message is not None:
                 found.append(message)
                 message = pubsub.get_message(timeout=0)

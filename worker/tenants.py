@@ -25,6 +25,7 @@ class LaneStream:
 
     keys: Keys  # the tenant's
     lane: Lane
+    shard: int
 
     @property
     def tenant(self) -> str:
@@ -62,7 +63,7 @@ class LaneStreams:
             for lane in LANES:
                 for shard in range(shards):
                     if (name := tenant_keys.requests(lane, shard)) not in self.by_name:
-                        added[name] = LaneStream(tenant_keys, lane)
+                        added[name] = LaneStream(tenant_keys, lane, shard)
         if added:
             merged = self.by_name | added
             self.by_name = {name: stream for lane in LANES for name, stream in merged.items() if stream.lane == lane}

@@ -152,6 +152,28 @@ def serving(worker):
         thread.join(timeout=30)
 
 
+def test_only_an_idle_worker_follows_the_enqueue_nudges_and_one_wakes_it(cluster_url, make_worker):
+    """On a cluster no read blocks, so an idle worker waits for a producer's nudge (SPUBLISH in the
+    stream's slot): it is subscribed while idle, woken well before its wait's end by a submit, and
+    unsubscribed as soon as it has work, so a busy fleet is sent no nudges."""
+    worker = make_worker(redis_url=cluster_url, redis_cluster=True)
+    channel = worker.keys.enqueued("normal")
+    node = worker.client.get_redis_connection(worker.client.get_node_from_key(channel))
+
+    def followers() -> int:
+        _, count = node.execute_command("PUBSUB", "SHARDNUMSUB", channel)
+        return count
+
+    read: list = []
+    waiting = threading.Thread(target=lambda: read.extend(worker.intake.read(4, block_ms=60_000)))
+    waiting.start()
+    wait_for(lambda: followers() == 1, 10, "the idle worker follows its streams' nudges")
+    Producer(cluster_url, cluster=True).submit(prompt_ids=[5, 6], params=greedy(2), lane="normal")
+    waiting.join(timeout=20)
+    assert not waiting.is_alive() and len(read) == 1, "the nudge woke the worker (its wait was a minute)"
+    assert worker.intake.read(4, block_ms=None) == [] and followers() == 0, "a busy worker follows nothing"
+
+
 def test_the_cli_the_gateway_and_rq_jobs_on_the_cluster(cluster_url, redis_url, model_dir, tmp_path, capsys,
                                                           monkeypatch, launch):
     """Every entry point with --redis-cluster (or $STREAMBATCH_REDIS_CLUSTER) against one worker on the
