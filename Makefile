@@ -55,8 +55,8 @@ promtool:
 	$(call require,promtool,prometheus,{ systemctl disable --now prometheus >/dev/null 2>&1 || true; })
 
 # The suite on both cores (work stealing: a long file does not leave the other process idle at the
-# end), then the fault campaign alone: its workers' throughput is compared across minutes, which a
-# neighbour would skew.
+# end), then the overload test alone (pytest -m campaign): it compares its workers' throughput
+# across a minute, which a neighbour would skew.
 test: prepare redis-server promtool
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not campaign and not compose"
 	$(BIN)/python -m pytest -q -m campaign tests/worker

@@ -7,16 +7,26 @@ on the way out."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import redis
 
+from ops.demo import free_port
+
 
 class MissingRedis(RuntimeError):
     """redis-server or redis-cli is not installed."""
+
+
+def free_node_port(taken: Collection[int] = ()) -> int:
+    """A free loopback port for a cluster node, not in `taken`: below 55535, as a node also listens
+    on its port + 10000 (the cluster bus) and refuses to start past 65535."""
+    while (port := free_port()) in taken or port >= 55535:
+        pass
+    return port
 
 
 class LocalCluster:
@@ -31,10 +41,7 @@ class LocalCluster:
             raise MissingRedis("redis-server is not installed: run `make setup` (Debian package redis-server)")
         self.ports: list[int] = []
         while len(self.ports) < 6:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                if (port := probe.getsockname()[1]) not in self.ports and port < 55535:  # +10000: the bus port
-                    self.ports.append(port)
+            self.ports.append(free_node_port(self.ports))
         self.processes: dict[int, subprocess.Popen] = {}
 
     @property

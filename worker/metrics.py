@@ -22,6 +22,7 @@ recovers from a failed step).
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections import Counter as Tally
@@ -120,6 +121,10 @@ class BoundedServer(ThreadingWSGIServer):
     """A thread per connection, at most MAX_CONNECTIONS of them: the red team's 800 idle
     connections made 804 threads, and at the file limit every turn of the loop failed."""
 
+    # The listen backlog: with socketserver's 5, a flood of connections overflows it and a probe's
+    # SYN is dropped, to be sent again 1, 2, 4, ... s later; they are accepted (or closed) at once.
+    request_queue_size = 1024
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -135,6 +140,12 @@ class BoundedServer(ThreadingWSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        """A connection that timed out or went away is closed without a traceback on stderr (an
+        idle flood would print one each); anything else is printed as socketserver does."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
 
 class Metrics:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from ops.local_cluster import LocalCluster
+from ops.local_cluster import LocalCluster, free_node_port
 from producer.acl import OPERATOR_USER, REPLICATOR_USER, WORKER_USER, tenant_user
 from producer.protocol import Keys
 from producer.tenants import TenantRegistry
@@ -109,15 +109,11 @@ def test_six_nodes_started_for_the_cluster_profile_are_formed_once_and_replicate
     on a loopback address of its own and the same port, as each container has its host name), formed
     by cluster-init.sh as the operator; each replica logs in to its master as `replicator`, with the
     password only its config file holds; a second run of cluster-init.sh leaves the cluster as it is."""
-    import socket
-
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     for user in (WORKER_USER, OPERATOR_USER, REPLICATOR_USER):
         (secrets / f"redis_{user}_password").write_text(f"{user}-secret\n")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_node_port()
     hosts = [f"127.0.0.1{i}" for i in range(6)]  # NODE_PREFIX 127.0.0.1 + 0..5: all loopback
     nodes = []
     try:
