@@ -37,6 +37,14 @@ WORDS = ("time data river model light stone music garden window paper city mount
          "engine question answer market energy planet signal memory bridge winter coffee").split()
 
 
+# How many requests each workload kind has (requests_of).
+WORKLOADS = {"mixed": 64, "long": 48, "chat": 96}
+LONG_PROMPT_TOKENS = (600, 1800)  # a third of the long workload's prompts; the rest 20-200 tokens
+CHAT_SHARED_SHARE = 0.6  # of the chat workload's requests start with the same system prompt
+SYSTEM_PROMPT_LENGTH = 200  # that system prompt's words (or ids, without a tokenizer)
+WORD_BY_WORD_TOKENS = 256  # a prompt's last tokens added a word at a time (see workload)
+
+
 def output_lengths(rng: random.Random, count: int) -> list[int]:
     """max_tokens 16 (half), 64 (a quarter) and 256 (the rest), shuffled."""
     lengths = [16] * (count // 2) + [64] * (count // 4) + [256] * (count - count // 2 - count // 4)
@@ -44,31 +52,62 @@ def output_lengths(rng: random.Random, count: int) -> list[int]:
     return lengths
 
 
-def workload(tokenizer, seed: int = 0, count: int = 64) -> list[tuple[list[int], int]]:
-    """(prompt ids, max_tokens) pairs: chat-templated prompts of 20-200 tokens."""
-    rng = random.Random(seed)
+def requests_of(kind: str, rng: random.Random, count: int | None, prompt) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) pairs of a workload kind: mixed (prompts of 20-200 tokens), long (a third of
+    them 600-1,800 tokens) or chat (60% after one shared system prompt); `count` (default WORKLOADS[kind])
+    requests, max_tokens from output_lengths. `prompt(rng, tokens, shared)` makes the ids: at least `tokens`
+    of them, after the system prompt when `shared`."""
+    if kind not in WORKLOADS:
+        raise ValueError(f"unknown workload {kind!r}: choose from {', '.join(WORKLOADS)}")
+    count = WORKLOADS[kind] if count is None else count
+    lengths = output_lengths(rng, count)
+    long = set(rng.sample(range(count), count // 3)) if kind == "long" else set()
+    shared = set(rng.sample(range(count), round(CHAT_SHARED_SHARE * count))) if kind == "chat" else set()
     requests = []
-    for max_tokens in output_lengths(rng, count):
-        target, words = rng.randint(20, 200), []
-        while True:
-            messages = [{"role": "user", "content": " ".join(words)}]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
-            if len(ids) >= target:
-                break
-            words.append(rng.choice(WORDS))
-        requests.append((list(ids), max_tokens))
+    for i, max_tokens in enumerate(lengths):
+        tokens = rng.randint(*LONG_PROMPT_TOKENS) if i in long else rng.randint(20, 200)
+        requests.append((prompt(rng, tokens, i in shared), max_tokens))
     return requests
 
 
-def synthetic_workload(vocab_size: int, seed: int = 0, count: int = 64) -> list[tuple[list[int], int]]:
-    """The same shape for a model without a tokenizer (a random one): prompts of 20-200 random ids."""
-    rng = random.Random(seed)
-    return [([rng.randrange(vocab_size) for _ in range(rng.randint(20, 200))], max_tokens)
-            for max_tokens in output_lengths(rng, count)]
+def workload(tokenizer, seed: int = 0, count: int | None = None, kind: str = "mixed") -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) pairs (requests_of), chat-templated prompts of random words."""
+    words_rng = random.Random(seed + 1)
+    system = " ".join(words_rng.choice(WORDS) for _ in range(SYSTEM_PROMPT_LENGTH))
+
+    def render(words: list[str], shared: bool) -> list[int]:
+        messages = [{"role": "system", "content": system}] if shared else []
+        messages.append({"role": "user", "content": " ".join(words)})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    system_tokens = len(render([], True))
+
+    def prompt(rng: random.Random, tokens: int, shared: bool) -> list[int]:
+        target, words = tokens + (system_tokens if shared else 0), []
+        while len(ids := render(words, shared)) < target:
+            # Words are a token or two: far from the target they go in by the hundred (a long prompt
+            # is not tokenized once per word), the last WORD_BY_WORD_TOKENS one at a time.
+            words += [rng.choice(WORDS) for _ in range(max(1, target - len(ids) - WORD_BY_WORD_TOKENS))]
+        return list(ids)
+
+    return requests_of(kind, random.Random(seed), count, prompt)
+
+
+def synthetic_workload(vocab_size: int, seed: int = 0, count: int | None = None,
+                       kind: str = "mixed") -> list[tuple[list[int], int]]:
+    """The same shapes for a model without a tokenizer (a random one): random ids, the shared system
+    prompt SYSTEM_PROMPT_LENGTH fixed ones."""
+    ids_rng = random.Random(seed + 1)
+    system = [ids_rng.randrange(vocab_size) for _ in range(SYSTEM_PROMPT_LENGTH)]
+
+    def prompt(rng: random.Random, tokens: int, shared: bool) -> list[int]:
+        return (system if shared else []) + [rng.randrange(vocab_size) for _ in range(tokens)]
+
+    return requests_of(kind, random.Random(seed), count, prompt)
 
 
 def run_ours(model_name: str, dtype: str, requests, policy: str, compile: bool) -> dict:
+    from ops.roofline.peaks import linear_shapes
     from producer.protocol import SamplingParams
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
@@ -100,7 +139,8 @@ def run_ours(model_name: str, dtype: str, requests, policy: str, compile: bool) 
     elapsed = time.perf_counter() - started
     return {"tokens": tokens, "seconds": elapsed, "mean_batch": sum(s for _, s in steps) / len(steps),
             "kv_utilisation_at_peak": peak.kv_utilisation, "peak_blocks": peak.used, "steps": steps,
-            "weights": linear_weights(engine.model), "dtype_bytes": engine.model.dtype.itemsize,
+            "weights": linear_weights(engine.model), "shapes": linear_shapes(engine.model),
+            "dtype_bytes": engine.model.dtype.itemsize,
             "start_up_seconds": start_up}
 
 
@@ -163,29 +203,14 @@ def run_hf_cb(dtype: str, requests) -> dict:
     return {"tokens": tokens, "seconds": elapsed}
 
 
-def roofline(weights: dict, dtype_bytes: int, steps: list, tokens: int, dtype: torch.dtype) -> dict:
+def roofline(weights: dict, dtype_bytes: int, steps: list, tokens: int, peaks, dtype: torch.dtype) -> dict:
     """The best this machine could do on the steps our engine actually ran: each step reads
     every weight once and does 2 x weights FLOPs per computed token (lm_head: per sampled
-    row); whichever of memory and compute is slower bounds the step (attention ignored)."""
-    from worker.engine.linear import PackedLinear, packing_works
+    row); whichever of memory and compute is slower bounds the step (attention ignored).
+    `peaks`: ops.roofline.peaks.measure's, at the model's own GEMM shapes."""
+    from ops.roofline.peaks import dtype_name
 
-    # The rate of the GEMM our engine runs, at the model's own shapes (a 512-token chunk through
-    # an MLP projection): a square 2048 probe says little for dtypes the CPU has no native
-    # instructions for, and there our engine computes bf16 in float32.
-    layer = torch.nn.Linear(576, 1536, bias=False, dtype=dtype)
-    gemm = PackedLinear(layer) if packing_works(dtype) else layer
-    x = torch.randn(512, 576, dtype=dtype)
-    gemm(x)
-    started = time.perf_counter()
-    for _ in range(20):
-        gemm(x)
-    flops = 20 * 2 * 512 * 576 * 1536 / (time.perf_counter() - started)
-    big = torch.empty(256 * 2 ** 20 // 4, dtype=torch.float32).uniform_()
-    big.sum()
-    started = time.perf_counter()
-    for _ in range(5):
-        big.sum()  # a pure read
-    bandwidth = 5 * big.numel() * 4 / (time.perf_counter() - started)
+    flops, bandwidth = peaks.gemm_gflops(dtype_name(dtype)) * 1e9, peaks.bandwidth_gbps * 1e9
     weight_bytes = (weights["layers"] + weights["head"]) * dtype_bytes
     best = sum(max(weight_bytes / bandwidth, 2 * (weights["layers"] * computed + weights["head"] * sampled) / flops)
                for computed, sampled in steps)
@@ -195,6 +220,7 @@ def roofline(weights: dict, dtype_bytes: int, steps: list, tokens: int, dtype: t
 def child(system: str, dtype: str, seed: int) -> None:
     from transformers import AutoTokenizer
 
+    from ops.roofline.peaks import measure as measure_peaks
     from worker.engine.models import parse_dtype, smollm2_cache
 
     torch.manual_seed(seed)
@@ -202,8 +228,9 @@ def child(system: str, dtype: str, seed: int) -> None:
     if system.startswith("ours"):
         result = run_ours("smollm2-135m", dtype, requests, "static" if system == "ours-static" else "continuous",
                           compile=system != "ours-eager")
+        peaks = measure_peaks(result.pop("shapes"), [parse_dtype(dtype)], quick=True)
         result["roofline"] = roofline(result["weights"], result["dtype_bytes"], result.pop("steps"),
-                                      result["tokens"], parse_dtype(dtype))
+                                      result["tokens"], peaks, parse_dtype(dtype))
     elif system == "hf-cb":
         result = run_hf_cb(dtype, requests)
     else:

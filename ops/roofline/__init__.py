@@ -1,0 +1,1 @@
+"""This machine's roofline and each engine step against it (python -m ops.roofline)."""
