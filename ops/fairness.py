@@ -1,13 +1,15 @@
 """python -m ops.fairness: two tenants through a real worker, fair (vtc) against FIFO, in one run.
 
-    python -m ops.fairness [--quiet-rate 0.4] [--flood-factor 10] [--duration 60] [--model random:smollm2]
-                           [--plot fairness.png] [--json F]
+    python -m ops.fairness [--quiet-rate 0.4] [--flood-factor 30] [--duration 30] [--itl-slo-ms 100]
+                           [--model random:smollm2] [--plot fairness.png] [--json F]
 
 Starts a private redis-server and registers two tenants, `quiet` and `flood`; then, for the quiet
 tenant alone and for both tenants under each fairness policy (a worker process started afresh with
 `--fairness vtc` and then `fifo`), sends Poisson arrivals for --duration seconds (the flood tenant at
 --flood-factor times the quiet one's rate: past the worker's capacity) through each tenant's own
-producer, and follows every request live. It prints, per policy and tenant, the requests served,
+producer, and follows every request live. The workers run under an ITL SLO (--itl-slo-ms, 0: none):
+without one a CPU worker admits the whole flood at once and every step slows with its batch, so
+that the order of admissions, which fairness decides, hardly matters to anyone's TTFT. It prints, per policy and tenant, the requests served,
 P50 / P99 TTFT, and each tenant's share of the tokens; and the quiet tenant's P99 TTFT against
 what it gets alone. The plot shows each tenant's output tokens per second over time, per policy,
 and the P99 TTFTs. Every request's record (tenant, arrival, first token, finish, tokens) goes in
@@ -47,6 +49,7 @@ RUNS = (("quiet alone", "vtc", ("quiet",)), ("fair (vtc)", "vtc", TENANTS), ("fi
 class Record:
     tenant: str
     arrival: float  # seconds from the run's start
+    request_id: str = ""
     first_token: float | None = None
     finish: float | None = None
     tokens: list[float] = field(default_factory=list)  # each token event's time
@@ -55,8 +58,9 @@ class Record:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.fairness", description=__doc__.split("\n")[0])
     parser.add_argument("--quiet-rate", type=float, default=0.4, help="the quiet tenant's requests per second")
-    parser.add_argument("--flood-factor", type=float, default=10.0, help="the flood tenant's rate, in quiet rates")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    parser.add_argument("--flood-factor", type=float, default=30.0, help="the flood tenant's rate, in quiet rates")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
+    parser.add_argument("--itl-slo-ms", type=float, default=100.0, help="the workers' ITL SLO (0: none)")
     parser.add_argument("--model", default="random:smollm2", help="the worker's model")
     parser.add_argument("--worker-args", default="", help="the worker's other flags, as one string")
     parser.add_argument("--seed", type=int, default=0)
@@ -78,6 +82,8 @@ def measure(args: argparse.Namespace, console: Console) -> None:
             log = Path(scratch) / f"worker-{policy}-{len(tenants)}.log"
             command = [sys.executable, "-m", "worker", "--model", args.model, "--name", f"fair-{len(runs)}",
                        "--fairness", policy, *args.worker_args.split()]
+            if args.itl_slo_ms:
+                command += ["--itl-slo-ms", str(args.itl_slo_ms)]
             with running_process(command, log, url) as worker:
                 wait_until_ready(url, f"fair-{len(runs)}", worker, log, 600, console)
                 console.print(f"[bold]{name}:[/] {args.duration:.0f} s of arrivals")
@@ -108,6 +114,7 @@ async def _trace(url: str, args: argparse.Namespace, tenants: tuple[str, ...]) -
             prompt = [rng.randrange(2, 500) for _ in range(PROMPT_TOKENS)]  # ids any model here has
             handle = await producers[tenant].submit(prompt_ids=prompt, lane="normal", params=SamplingParams(
                 max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True))
+            record.request_id = handle.id
             async for event in handle.stream():
                 now = time.monotonic() - started
                 if isinstance(event, TokenEvent):

@@ -13,6 +13,7 @@ once, at the cost of at most one entry per idle tenant of over-read. With equal 
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 
 
 class IntakeShares:
@@ -21,8 +22,13 @@ class IntakeShares:
         self.deficits: dict[str, float] = {}  # carried between reads
         self.idle: set[str] = set()  # tenants whose streams gave nothing last time: probed
 
-    def counts(self, tenants: list[str], room: int) -> dict[str, int]:
-        """-> how many entries to ask of each tenant (of its streams of one lane together)."""
+    def counts(self, tenants: list[str], room: int, waiting: Container[str] = ()) -> dict[str, int]:
+        """-> how many entries to ask of each tenant (of its streams of one lane together). With no
+        room, one of each tenant with nothing `waiting` in the engine: a tenant's first request
+        reaches the scheduler, which orders it by service, instead of queueing behind a flood's in
+        Redis (an over-read of one entry a tenant, as a probe's)."""
+        if room <= 0:
+            return {tenant: 1 for tenant in tenants if tenant not in waiting}
         active = [tenant for tenant in tenants if tenant not in self.idle]
         total = sum(self.weights.get(tenant, 1.0) for tenant in active)
         counts = dict.fromkeys(tenants, 1)  # the probes

@@ -16,7 +16,7 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from producer.connect import is_cluster
-from producer.protocol import GROUP, LANES, ErrorEvent, Keys, Request, ensure_group
+from producer.protocol import GROUP, LANES, ErrorEvent, Keys, Lane, Request, ensure_group
 from worker.claims import Claim, Claims
 from worker.engine.engine import Engine
 from worker.entries import Entry, Rejected, decode_entry
@@ -36,6 +36,12 @@ def intake_room(engine: Engine, ahead: int) -> int:
     if scheduler.running and pool.num_free_blocks < scheduler.config.watermark * pool.num_blocks:
         return 0
     return max(0, ahead - scheduler.num_waiting)
+
+
+def waiting_tenants(engine: Engine) -> dict[Lane, set[str]]:
+    """The tenants with a request waiting in the engine, by lane: the others are probed even when
+    the room is spent (IntakeShares.counts)."""
+    return {lane: set(queue.tenants()) for lane, queue in engine.scheduler.waiting.items()}
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,9 @@ class Intake:
                                       for stream in self.streams.by_name.values()])
 
     def take(self, room: int, block_ms: int | None, flights: Mapping[str, Flight],
-             in_engine: Container[str]) -> list[Admission]:
+             in_engine: Container[str], waiting: Mapping[Lane, Container[str]] | None = None) -> list[Admission]:
         """One pass: read (`read`), then `admit` what came."""
-        return self.admit(self.read(room, block_ms), flights, in_engine)
+        return self.admit(self.read(room, block_ms, waiting), flights, in_engine)
 
     def admit(self, entries: list[Entry], flights: Mapping[str, Flight], in_engine: Container[str]) -> list[Admission]:
         """-> the requests among `entries` to start, claimed; each one's tenant is its stream's. The
@@ -137,9 +143,13 @@ class Intake:
         self.ack((), dead, fences)
         self.metrics.dead_letters.inc(len(dead))
 
-    def read(self, room: int, block_ms: int | None = None) -> list[Entry]:
+    def read(self, room: int, block_ms: int | None = None,
+             waiting: Mapping[Lane, Container[str]] | None = None) -> list[Entry]:
         """About `room` new entries per lane, fast lanes first, each tenant asked for its weighted
-        share (fair_intake.py): one XREADGROUP per stream, all in one pipeline (on a cluster a
+        share (fair_intake.py); with no room, one entry of each tenant with nothing `waiting` in
+        the engine in that lane (none: no read), so that a quiet tenant's request reaches the
+        scheduler's fair order while a flood's fill the engine's queue: one XREADGROUP per stream
+        read, all in one pipeline (on a cluster a
         round trip per node, since an XREADGROUP reads one slot's streams). With `block_ms` (only
         when the engine is idle: the wait would stall running requests) on one node, one read of
         every stream that waits that long for the first entry, taking up to a share of each; on a
@@ -149,7 +159,7 @@ class Intake:
         if self.nudges is not None and block_ms is None:
             self.nudges.stop()  # work to do: no nudges while there is
         if room <= 0:
-            return []
+            return self._read_shares(0, waiting) if waiting is not None else []
         if block_ms is not None and not self.cluster:
             names = self.streams.names
             return self._entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
@@ -163,18 +173,22 @@ class Intake:
             entries = self._read_shares(room)
         return entries
 
-    def _read_shares(self, room: int) -> list[Entry]:
+    def _read_shares(self, room: int, waiting: Mapping[Lane, Container[str]] | None = None) -> list[Entry]:
         pipe = self.client.pipeline(transaction=False)
         asked = []  # (lane, the tenants' counts, each read's tenant) in the pipeline's order
         for lane in LANES:
             streams = self.streams.of_lane(lane)
-            counts = self.shares[lane].counts(list(streams), room)
+            counts = self.shares[lane].counts(list(streams), room, waiting[lane] if waiting is not None else ())
             readers = []
             for tenant, names in streams.items():
+                if tenant not in counts:
+                    continue
                 for name in names:  # its shards share its count
                     pipe.xreadgroup(GROUP, self.consumer, {name: ">"}, count=_share(counts[tenant], len(names)))
                     readers.append(tenant)
             asked.append((lane, counts, readers))
+        if not any(readers for _, _, readers in asked):
+            return []
         replies = iter(pipe.execute())
         entries: list[Entry] = []
         for lane, counts, readers in asked:

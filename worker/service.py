@@ -47,7 +47,7 @@ from worker.engine.sequence import FinishReason
 from worker.entries import Entry, Rejected, engine_prompt
 from worker.flight import Flight
 from worker.heartbeat import Heartbeat, StartupBeat, new_consumer
-from worker.intake import Admission, Intake, intake_room
+from worker.intake import Admission, Intake, intake_room, waiting_tenants
 from worker.metrics import Health, Metrics
 from worker.outbox import Outbox
 from worker.step_watch import StepWatch
@@ -247,7 +247,7 @@ class Worker:
         if self.drain_until is None:
             block_ms = None if self.engine.has_unfinished else self.config.block_ms
             for admission in self.intake.take(intake_room(self.engine, self.config.intake_ahead), block_ms,
-                                              self.flights, self.engine.requests):
+                                              self.flights, self.engine.requests, waiting_tenants(self.engine)):
                 self.start(admission)
         self.expire_deadlines()
         if self.engine.has_unfinished:

@@ -8,7 +8,8 @@ from ops.fairness import main
 
 def test_the_tool_runs_the_quiet_tenant_alone_fair_and_fifo_and_reports_each(tmp_path, capsys):
     out, plot = tmp_path / "fairness.json", tmp_path / "fairness.png"
-    assert main(["--model", "random:llama", "--duration", "2", "--quiet-rate", "1.5", "--json", str(out),
+    assert main(["--model", "random:llama", "--duration", "2", "--quiet-rate", "1.5", "--flood-factor", "10",
+                 "--itl-slo-ms", "0", "--json", str(out),
                  "--plot", str(plot)]) == 0
     result = json.loads(out.read_text())
     figures, requests = result["figures"], result["requests"]

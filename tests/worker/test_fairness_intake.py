@@ -48,3 +48,19 @@ def test_a_flooding_tenant_takes_no_more_of_a_read_than_its_weight_while_another
         pass
     alone = collections.Counter(streams[entry.stream].tenant for entry in intake.read(8))
     assert alone["flood"] >= 7, "the quiet tenant emptied: the flood gets the whole read (work-conserving)"
+
+
+def test_with_no_room_left_only_a_tenant_with_nothing_waiting_in_the_engine_is_read_one_entry(any_client):
+    streams = LaneStreams(KEYS)
+    streams.serve({"flood": 1, "quiet": 1})
+    intake = make_intake(any_client, streams, KEYS)
+    intake.ensure_groups()
+    for i in range(20):
+        submit(any_client, Request(id=f"f{i}", prompt_ids=[5]), keys=KEYS.of("flood"))
+        submit(any_client, Request(id=f"q{i}", prompt_ids=[5]), keys=KEYS.of("quiet"))
+    assert intake.read(0) == []  # nobody said what waits in the engine: no read at all
+    flood_waits = {"fast": set(), "normal": {"flood"}}
+    taken = [streams[entry.stream].tenant for entry in intake.read(0, waiting=flood_waits)]
+    assert taken == ["quiet"]  # the flood's requests wait in the engine already: it gets nothing more
+    both_wait = {"fast": set(), "normal": {"flood", "quiet"}}
+    assert intake.read(0, waiting=both_wait) == []

@@ -138,6 +138,8 @@ class Scheduler:
         may_admit = self._may_admit()
         self.admission_refused = False
         budget = self._step_budget(plan)
+        if self.config.fairness == "vtc" and may_admit:
+            budget = self._serve_under_share(plan, budget)
         if budget < self.config.token_budget:  # held to the ITL SLO: the fast lane's prefills first
             fast_quota = budget - plan.num_tokens
         else:
@@ -156,15 +158,18 @@ class Scheduler:
         self._track_preemption(plan)
         return plan
 
-    def _step_budget(self, plan: StepPlan) -> int:
+    def _step_budget(self, plan: StepPlan, least_prefill: int | None = None) -> int:
         """The token budget, or under an ITL SLO with decodes in the step, its decodes and the prefill
-        tokens that keep the step's turn within the SLO."""
+        tokens that keep the step's turn within the SLO; at least `least_prefill` of them (default a
+        block): where the decodes alone fill the SLO (a machine slower than the model says, or busy)
+        a waiting request would otherwise not start before they all end."""
         slo_ms, budget = self.config.itl_slo_ms, self.config.token_budget
-        if slo_ms is None or not plan.scheduled:
+        if slo_ms is None or not self.decoding:  # decodes sitting a step out wait on it too
             return budget
         decodes = plan.num_tokens  # each samples a row
         allowance = self.cost.prefill_allowance(decodes, kv_reads(plan), decodes, slo_ms / 1000)
-        return min(budget, decodes + allowance)
+        least = self.pool.block_size if least_prefill is None else least_prefill
+        return min(budget, decodes + max(allowance, least))
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         # The hot loop at large batch sizes, so it is written out flat: each decode is one
@@ -268,6 +273,83 @@ class Scheduler:
             return min(tenants, key=lambda tenant: queues.head(tenant).arrival_time)
         return min(tenants, key=lambda tenant: (self.fair.counter(tenant, admitted[tenant]),
                                                 queues.head(tenant).arrival_time))
+
+    def _serve_under_share(self, plan: StepPlan, budget: int) -> int:
+        """vtc: a tenant below its weighted share of the running sequences (_under_share_next) has
+        its oldest prefill's next chunk, or else its next waiting request, computed before anyone
+        else's prefill, the most-served other tenant's newest decodes sitting this step out (KV kept)
+        until the chunk fits the step's budget. Otherwise, where a full step is compute-bound (a CPU's,
+        or any under an ITL SLO) a quiet tenant's request waits for a flood's sequences to end before
+        it starts, and again before each chunk of its prompt: seconds on a CPU. One sequence a step;
+        two backlogged tenants at their shares never trade decodes. -> the step's budget."""
+        seq = self._under_share_next()
+        if seq is None:
+            return budget
+        waiting = seq.status is not Status.RUNNING
+        if waiting:
+            self.waiting[seq.lane].remove(seq)
+        # a chunk as large as a step with no decodes could take within the SLO
+        need = min(seq.num_uncomputed_tokens if not waiting else len(seq.token_ids),
+                   self._step_budget(StepPlan(), least_prefill=1))
+        most = self._most_served_other(seq.tenant)
+        newest_first = (other for other in reversed(self.running)
+                        if other.tenant == most and other in self.decoding and plan.scheduled.get(other) == 1)
+        deferred: list[Sequence] = []
+        while (self._step_budget(plan, least_prefill=0) - plan.num_tokens < need
+               and (victim := next(newest_first, None)) is not None):
+            plan.remove(victim)
+            deferred.append(victim)
+        budget = self._step_budget(plan)
+        room = budget - plan.num_tokens
+        if waiting and room > 0 and self._try_admit(seq, room, plan):
+            return budget
+        if not waiting and (num_tokens := min(need, room, self._tokens_that_fit(seq, plan))) > 0:
+            self.pool.allocate(seq, num_tokens)
+            plan.add(seq, num_tokens)
+            return budget
+        if waiting:
+            self.waiting[seq.lane].appendleft(seq)
+        for victim in deferred:
+            if victim.status is Status.RUNNING:  # not preempted meanwhile
+                plan.add(victim, 1)
+        return self._step_budget(plan)
+
+    def _under_share_next(self) -> Sequence | None:
+        """Of the least-served tenant (fast lane first) that would still be within its weighted share
+        of the running sequences with one more, while another tenant runs that it is not ahead of by
+        more than a step's budget: its oldest prefill, or else the head of its waiting requests."""
+        if not self.running:
+            return None
+        total_weight = sum(self.fair.share(tenant).weight for tenant in self.fair.active)
+
+        def under_share(tenant: str) -> bool:  # with one sequence more, still within its share
+            seats = len(self.running) + 1
+            return self.running_by_tenant[tenant] + 1 <= self.fair.share(tenant).weight / total_weight * seats
+
+        for lane in LANES:
+            candidates: dict[str, Sequence] = {}
+            for seq in self.prefilling[lane]:
+                if seq.tenant not in candidates and under_share(seq.tenant):
+                    candidates[seq.tenant] = seq
+            if self._has_seat():
+                queue = self.waiting[lane]
+                for tenant in queue.tenants():
+                    if tenant not in candidates and self._tenant_has_seat(tenant) and under_share(tenant):
+                        candidates[tenant] = queue.head(tenant)
+            eligible = [tenant for tenant in candidates if self._most_served_other(tenant) is not None]
+            if eligible:
+                return candidates[min(eligible, key=self.fair.counter)]
+        return None
+
+    def _most_served_other(self, tenant: str) -> str | None:
+        """The running tenant other than `tenant` served the most, unless `tenant` is ahead of it by
+        more than a step's budget (the margin lets a prompt's chunks follow each other: each one
+        puts its tenant a chunk ahead of a tenant whose decodes gave way)."""
+        others = {seq.tenant for seq in self.running if seq.tenant != tenant}
+        most = max(others, key=self.fair.counter, default=None)
+        if most is None or self.fair.counter(tenant) > self.fair.counter(most) + self.config.token_budget:
+            return None
+        return most
 
     def _has_seat(self) -> bool:
         cap = self.config.max_num_seqs
