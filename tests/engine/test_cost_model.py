@@ -125,14 +125,3 @@ def test_an_itl_slo_needs_a_cost_model():
     with pytest.raises(ValueError, match="itl_slo_ms"):
         SchedulerConfig(itl_slo_ms=0)
 
-
-def test_where_the_decodes_alone_fill_the_itl_slo_a_step_still_takes_a_block_of_prefill():
-    """On a machine slower than its fitted model (or a busy one) the decodes alone can pass the SLO: a
-    waiting request still starts, a block a step, instead of waiting for every decode to end."""
-    cost = CostModel(fixed_s=0.010, per_token_s=1e-4, per_kv_read_s=0.0, per_row_s=1e-3)
-    pool = BlockPool(1024, 16)
-    scheduler = Scheduler(SchedulerConfig(token_budget=2048, itl_slo_ms=5.0), pool, cost=cost)
-    decoding(pool, scheduler, 8, 20)  # 10 ms + 8 x 1.1 ms: past the 5 ms SLO already
-    waiting = scheduler.add(Sequence("waiting", list(range(2000, 2100)), SamplingParams(max_tokens=4, ignore_eos=True)))
-    plan = scheduler.schedule()
-    assert plan.num_tokens == 8 + 16 and plan.scheduled[waiting] == 16

@@ -158,18 +158,16 @@ class Scheduler:
         self._track_preemption(plan)
         return plan
 
-    def _step_budget(self, plan: StepPlan, least_prefill: int | None = None) -> int:
-        """The token budget, or under an ITL SLO with decodes in the step, its decodes and the prefill
-        tokens that keep the step's turn within the SLO; at least `least_prefill` of them (default a
-        block): where the decodes alone fill the SLO (a machine slower than the model says, or busy)
-        a waiting request would otherwise not start before they all end."""
+    def _step_budget(self, plan: StepPlan) -> int:
+        """The token budget, or under an ITL SLO while sequences decode, the step's decodes and the
+        prefill tokens that keep its turn within the SLO (none where the decodes alone fill it: new
+        requests then wait for running ones to end; the SLO holds, their TTFT pays)."""
         slo_ms, budget = self.config.itl_slo_ms, self.config.token_budget
         if slo_ms is None or not self.decoding:  # decodes sitting a step out wait on it too
             return budget
         decodes = plan.num_tokens  # each samples a row
         allowance = self.cost.prefill_allowance(decodes, kv_reads(plan), decodes, slo_ms / 1000)
-        least = self.pool.block_size if least_prefill is None else least_prefill
-        return min(budget, decodes + max(allowance, least))
+        return min(budget, decodes + allowance)
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         # The hot loop at large batch sizes, so it is written out flat: each decode is one
@@ -288,18 +286,17 @@ class Scheduler:
         waiting = seq.status is not Status.RUNNING
         if waiting:
             self.waiting[seq.lane].remove(seq)
-        # a chunk as large as a step with no decodes could take within the SLO
+        # a chunk as large as a step with no decodes could take within the SLO (at least a token)
         need = min(seq.num_uncomputed_tokens if not waiting else len(seq.token_ids),
-                   self._step_budget(StepPlan(), least_prefill=1))
+                   max(1, self._step_budget(StepPlan())))
         most = self._most_served_other(seq.tenant)
         newest_first = (other for other in reversed(self.running)
                         if other.tenant == most and other in self.decoding and plan.scheduled.get(other) == 1)
         deferred: list[Sequence] = []
-        while (self._step_budget(plan, least_prefill=0) - plan.num_tokens < need
-               and (victim := next(newest_first, None)) is not None):
+        while budget - plan.num_tokens < need and (victim := next(newest_first, None)) is not None:
             plan.remove(victim)
             deferred.append(victim)
-        budget = self._step_budget(plan)
+            budget = self._step_budget(plan)
         room = budget - plan.num_tokens
         if waiting and room > 0 and self._try_admit(seq, room, plan):
             return budget
