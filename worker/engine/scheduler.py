@@ -280,16 +280,16 @@ class Scheduler:
         or any under an ITL SLO) a quiet tenant's request waits for a flood's sequences to end before
         it starts, and again before each chunk of its prompt: seconds on a CPU. One sequence a step;
         two backlogged tenants at their shares never trade decodes. -> the step's budget."""
-        seq = self._under_share_next()
-        if seq is None:
+        picked = self._under_share_next()
+        if picked is None:
             return budget
+        seq, most = picked
         waiting = seq.status is not Status.RUNNING
         if waiting:
             self.waiting[seq.lane].remove(seq)
         # a chunk as large as a step with no decodes could take within the SLO (at least a token)
         need = min(seq.num_uncomputed_tokens if not waiting else len(seq.token_ids),
                    max(1, self._step_budget(StepPlan())))
-        most = self._most_served_other(seq.tenant)
         newest_first = (other for other in reversed(self.running)
                         if other.tenant == most and other in self.decoding and plan.scheduled.get(other) == 1)
         deferred: list[Sequence] = []
@@ -311,11 +311,12 @@ class Scheduler:
                 plan.add(victim, 1)
         return self._step_budget(plan)
 
-    def _under_share_next(self) -> Sequence | None:
+    def _under_share_next(self) -> tuple[Sequence, str] | None:
         """Of the least-served tenant (fast lane first) that would still be within its weighted share
         of the running sequences with one more, while another tenant runs that it is not ahead of by
-        more than a step's budget: its oldest prefill, or else the head of its waiting requests."""
-        if not self.running:
+        more than a step's budget: its oldest prefill, or else the head of its waiting requests; and
+        that other tenant, the most served (_most_served_other)."""
+        if not self.running or len(self.fair.active) < 2:  # a lone tenant: nobody to give way
             return None
         total_weight = sum(self.fair.share(tenant).weight for tenant in self.fair.active)
 
@@ -333,9 +334,10 @@ class Scheduler:
                 for tenant in queue.tenants():
                     if tenant not in candidates and self._tenant_has_seat(tenant) and under_share(tenant):
                         candidates[tenant] = queue.head(tenant)
-            eligible = [tenant for tenant in candidates if self._most_served_other(tenant) is not None]
+            eligible = {tenant: most for tenant in candidates if (most := self._most_served_other(tenant))}
             if eligible:
-                return candidates[min(eligible, key=self.fair.counter)]
+                tenant = min(eligible, key=self.fair.counter)
+                return candidates[tenant], eligible[tenant]
         return None
 
     def _most_served_other(self, tenant: str) -> str | None:
