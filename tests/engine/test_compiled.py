@@ -1,13 +1,18 @@
 """The compiled forward (EngineConfig.compile): the tokens of HF generate, one graph for steps of
 every shape, and a graph of its own for each model."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from tests.engine.test_engine import GREEDY, hf_greedy, prompts_of, run
 from worker.engine import kernels
 from worker.engine.attention import AttentionMetadata, run_model
+from worker.engine.compiled import compile_cache_dir
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.linear import packing_backend
@@ -66,3 +71,18 @@ def test_compiled_forward_without_native_kernels(monkeypatch):
         meta = AttentionMetadata.build([0], [len(ids)], [[0]], 16, kv_caches=runner.kv_caches)
         assert meta.backend == "torch"
         torch.testing.assert_close(runner.forward(ids, meta), run_model(model, ids, meta), atol=1e-5, rtol=0)
+
+
+def test_the_compile_cache_lasts_in_our_cache_directory_unless_told_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # as torch leaves it on first use
+    monkeypatch.setenv("STREAMBATCH_CACHE", str(tmp_path / "cache"))
+    assert compile_cache_dir() == tmp_path / "cache" / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")  # what torch reads
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert compile_cache_dir() == tmp_path / "cache" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    assert compile_cache_dir() == tmp_path / "chosen"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    (tmp_path / "read-only").write_text("")  # a file where the directory would go: cannot be made
+    monkeypatch.setenv("STREAMBATCH_CACHE", str(tmp_path / "read-only"))
+    assert compile_cache_dir() == Path(default_cache_dir())

@@ -15,18 +15,24 @@ key of its own, a string, which dynamo does guard. Attention's metadata cannot b
 
 Measured here (SmolLM2-135M fp32, 16-row decode steps of ~350-token contexts, 2 threads, A/B in
 one process): eager 112-132 ms, compiled 75-105 ms. Compiling takes 3.5 minutes on 2 cores with a
-cold cache, 25 s once torch's on-disk cache holds it; so it is not the default.
+cold cache, 25 s once torch's on-disk cache holds it; so it is not the default. That cache goes
+under ours (compile_cache_dir), not torch's default in /tmp, which a reboot or a container's tmpfs
+empties: a restarted worker finds it.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch._dynamo.decorators import mark_unbacked
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from worker.engine.attention import AttentionMetadata, model_logits, step_metadata
+from worker.engine.disk_cache import cache_dir
 
 _keys = itertools.count()
 
@@ -38,9 +44,26 @@ def _keyed_logits(key: str, model: torch.nn.Module, input_ids: torch.Tensor, pos
     return model_logits(model, input_ids, position_ids, logits_rows, kv_caches=kv_caches)
 
 
+def compile_cache_dir() -> Path:
+    """Where torch keeps what it compiled: TORCHINDUCTOR_CACHE_DIR where chosen, else (and from now on) inductor/
+    in our cache directory, which lasts as long as the converted model and the native kernels; torch's default
+    where that cannot be written (a read-only image). Torch writes its default into the variable on first use
+    (an import of ours does), so that value counts as not chosen."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        lasting = cache_dir() / "inductor"
+        try:
+            lasting.mkdir(parents=True, exist_ok=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(lasting)
+        except OSError:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = default_cache_dir()
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 def compile_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]:
     """-> forward(input_ids [T], meta) -> logits [rows, vocab], as attention.run_model; compiled
-    on its first call."""
+    on its first call, its code kept in compile_cache_dir."""
+    compile_cache_dir()
     key = f"model-{next(_keys)}"
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if next(model.parameters()).device.type == "cpu":
