@@ -3,8 +3,8 @@ memory bandwidth.
 
 A GEMM's rate depends on its shape (a 576-wide layer is not a square 4096 probe) and on the GEMM: each
 shape runs for chunks of rows (the tokens of a step, 64-2,048) through torch's F.linear (MKL or oneDNN)
-and the engine's PackedLinear (worker/engine/linear.py: our kernel for float32, oneDNN for bf16 where the
-CPU has bf16 instructions), best of a few calls; a dtype's peak is the best rate of them all. Bandwidth:
+and the engine's PackedLinear (worker/engine/linear.py: our kernel for float32, and for bf16 unless the CPU
+has AMX, where oneDNN serves it), best of a few calls; a dtype's peak is the best rate of them all. Bandwidth:
 the better of a pure read (a sum) and a copy, over 256 MiB, far past any cache.
 """
 
@@ -67,9 +67,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtypes_to_measure(run_dtype: torch.dtype) -> list[torch.dtype]:
-    """float32, bfloat16 where the CPU computes it natively (avx512_bf16 / AMX: oneDNN then serves it,
-    linear.packing_backend), and the run's own."""
-    dtypes = [torch.float32] + ([torch.bfloat16] if packing_backend(torch.bfloat16) == "onednn" else [])
+    """float32, bfloat16 where the CPU computes it natively (avx512_bf16 / AMX), and the run's own."""
+    native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16 else [])
     return list(dict.fromkeys(dtypes + [run_dtype]))
 
 
