@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.bench_offline import WORKLOADS, synthetic_workload, workload
-from ops.tool import run_tool
+from ops.tool import choices, run_tool
 from producer.protocol import SamplingParams
 
 
@@ -44,6 +44,14 @@ def agreement(reference: list[int], other: list[int], first: int) -> float:
         raise ValueError("nothing to compare: the reference has no tokens")
     same = next((i for i, (a, b) in enumerate(zip(wanted, other)) if a != b), min(len(wanted), len(other)))
     return same / len(wanted)
+
+
+def free_running(reference: dict[str, list[int]], other: dict[str, list[int]], first: int) -> dict:
+    """agreement() of every request's outputs (by id) against the reference's: its mean and minimum, and how
+    many requests agree on all of their first `first` tokens."""
+    shares = [agreement(tokens, other[request_id], first) for request_id, tokens in reference.items()]
+    return {"requests": len(shares), "mean": sum(shares) / len(shares), "min": min(shares),
+            "all_same": sum(share == 1.0 for share in shares)}
 
 
 def run_requests(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
@@ -95,10 +103,10 @@ def differences(engine, prompts: list[list[int]], reference: dict[str, list[int]
 
 
 def run_engine(model: str, dtype: str, kind: str, count: int | None, seed: int, first: int,
-               reference: dict[str, list[int]] | None = None, compile: bool = False) -> dict:
-    """Every request of one workload through the engine -> output token ids by request, tokens/s; then, for the
-    reference dtype, the top-two margins of each request's first tokens, and for the measured one (given the
-    reference's outputs), where its greedy choices differ from the reference's tokens (differences)."""
+               reference: dict[str, list[int]] | None = None, margins: bool = False, compile: bool = False) -> dict:
+    """Every request of one workload through the engine -> output token ids by request, tokens/s; then, asked
+    for `margins`, the top-two margins of each request's first tokens, and given the reference's outputs, where
+    its greedy choices differ from the reference's tokens (differences)."""
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
 
@@ -113,19 +121,20 @@ def run_engine(model: str, dtype: str, kind: str, count: int | None, seed: int, 
     prompts = [ids for ids, _ in requests]
     result = {"outputs": outputs, "tokens": sum(map(len, outputs.values())), "seconds": seconds,
               "dtype": str(engine.model.dtype).removeprefix("torch.")}
-    if reference is None:
+    if margins:
         result["margins"] = top_two_margins(engine, prompts, first)
-    else:
+    if reference is not None:
         result["differences"] = differences(engine, prompts, reference, first)
     return result
 
 
 def run_child(model: str, dtype: str, kind: str, count: int | None, seed: int, first: int,
-              reference: dict[str, list[int]] | None = None, compile: bool = False) -> dict:
+              reference: dict[str, list[int]] | None = None, margins: bool = False, compile: bool = False) -> dict:
     """run_engine in a process of its own (the reference's outputs handed over in a file)."""
     command = [sys.executable, "-m", "ops.agreement", "--child", "--model", model, "--dtype", dtype,
                "--workloads", kind, "--seed", str(seed), "--first", str(first)]
     command += ["--count", str(count)] if count else []
+    command += ["--margins"] if margins else []
     command += ["--compile"] if compile else []
     with tempfile.NamedTemporaryFile("w", suffix=".json") as handed:
         if reference is not None:
@@ -143,14 +152,11 @@ def compare(reference: dict, other: dict, first: int) -> dict:
     """Free-running agreement (tokens matched before the first difference) and teacher-forced agreement (the
     share of positions whose greedy choice, after the reference's tokens, is the reference's), with the
     reference's top-two margin where they differ."""
-    shares = [agreement(tokens, other["outputs"][request_id], first)
-              for request_id, tokens in reference["outputs"].items()]
     forced = [1 - len(other["differences"][request_id]) / len(tokens[:first])
               for request_id, tokens in reference["outputs"].items()]
     margins = sorted(reference["margins"][request_id][position]
                      for request_id, positions in other["differences"].items() for position in positions)
-    return {"requests": len(shares), "mean": sum(shares) / len(shares), "min": min(shares),
-            "all_same": sum(share == 1.0 for share in shares),
+    return free_running(reference["outputs"], other["outputs"], first) | {
             "forced_mean": sum(forced) / len(forced), "forced_min": min(forced),
             "differences": len(margins), "margin_median": statistics.median(margins) if margins else None,
             "margin_max": margins[-1] if margins else None,
@@ -159,14 +165,11 @@ def compare(reference: dict, other: dict, first: int) -> dict:
 
 
 def measure(args: argparse.Namespace, console: Console) -> None:
-    kinds = args.workloads.split(",")
-    for kind in kinds:
-        if kind not in WORKLOADS:
-            raise ValueError(f"unknown workload {kind!r}: choose from {', '.join(WORKLOADS)}")
+    kinds = choices(args.workloads, WORKLOADS, "workload")
     figures = {}
     for kind in kinds:
         with console.status(f"{kind}: {args.against}"):
-            reference = run_child(args.model, args.against, kind, args.count, args.seed, args.first)
+            reference = run_child(args.model, args.against, kind, args.count, args.seed, args.first, margins=True)
         with console.status(f"{kind}: {args.dtype}"):
             measured = run_child(args.model, args.dtype, kind, args.count, args.seed, args.first, reference["outputs"])
         figures[kind] = compare(reference, measured, args.first)
@@ -200,13 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="the figures")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--reference-outputs", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--margins", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # the child's forward compiled
     args = parser.parse_args(argv)
     if args.child:
         random.seed(args.seed)
         reference = None if args.reference_outputs is None else json.loads(args.reference_outputs.read_text())
         print("RESULT " + json.dumps(run_engine(args.model, args.dtype, args.workloads, args.count, args.seed,
-                                                args.first, reference, args.compile)))
+                                                args.first, reference, args.margins, args.compile)))
         return 0
     return run_tool("agreement", lambda: measure(args, Console()), Console())
 

@@ -34,9 +34,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ops.agreement import agreement, run_child
+from ops.agreement import free_running, run_child
 from ops.bench_offline import WORKLOADS, workload
-from ops.tool import run_tool
+from ops.tool import choices, run_tool
 from worker.engine.disk_cache import cache_dir
 
 VLLM_VERSION = "0.32.0"
@@ -139,11 +139,9 @@ def run_vllm(python: Path, job: dict) -> dict:
 
 def compare(ours: dict, theirs: dict, first: int) -> dict:
     """Throughput of each, and agreement of our tokens with vLLM's (the reference)."""
-    shares = [agreement(tokens, ours["outputs"][request_id], first) for request_id, tokens in theirs["outputs"].items()]
     ours_per_s, theirs_per_s = ours["tokens"] / ours["seconds"], theirs["tokens"] / theirs["seconds"]
-    return {"requests": len(shares), "ours_tokens_per_s": ours_per_s, "vllm_tokens_per_s": theirs_per_s,
-            "ratio": ours_per_s / theirs_per_s, "mean": sum(shares) / len(shares), "min": min(shares),
-            "all_same": sum(share == 1.0 for share in shares)}
+    return free_running(theirs["outputs"], ours["outputs"], first) | {
+        "ours_tokens_per_s": ours_per_s, "vllm_tokens_per_s": theirs_per_s, "ratio": ours_per_s / theirs_per_s}
 
 
 def vllm_dtype_agreement(vllm_runs: dict[tuple[str, str], dict], first: int) -> list[dict]:
@@ -155,9 +153,7 @@ def vllm_dtype_agreement(vllm_runs: dict[tuple[str, str], dict], first: int) -> 
             continue
         for kind, run in runs.items():
             reference = vllm_runs["float32", mode][kind]["outputs"]
-            shares = [agreement(tokens, run["outputs"][request_id], first) for request_id, tokens in reference.items()]
-            rows.append({"workload": kind, "mode": mode, "requests": len(shares), "mean": sum(shares) / len(shares),
-                         "min": min(shares), "all_same": sum(share == 1.0 for share in shares)})
+            rows.append({"workload": kind, "mode": mode} | free_running(reference, run["outputs"], first))
     return rows
 
 
@@ -179,14 +175,6 @@ def table_of(rows: list[dict], model: str, first: int) -> Table:
                       f"{row['ours_tokens_per_s']:.1f}", f"{row['vllm_tokens_per_s']:.1f}", f"{row['ratio']:.2f}x",
                       f"{row['mean']:.1%} / {row['min']:.1%}", f"{row['all_same']}/{row['requests']}")
     return table
-
-
-def choices(value: str, known, what: str) -> list[str]:
-    chosen = value.split(",")
-    for choice in chosen:
-        if choice not in known:
-            raise ValueError(f"unknown {what} {choice!r}: choose from {', '.join(known)}")
-    return chosen
 
 
 def measure(args: argparse.Namespace, console: Console) -> None:

@@ -1,6 +1,7 @@
 """How an ops tool's command ends: its expected failures (a deployment that would not start, a bad
-option, a file it cannot read, a Redis it cannot reach) as one red line and exit status 1, Ctrl-C or SIGTERM as 130, after
-the tool has stopped whatever it started (its context managers run on the way out)."""
+option, a file it cannot read, a Redis it cannot reach) as one red line and exit status 1, Ctrl-C or
+SIGTERM as 130, after the tool has stopped whatever it started (its context managers run on the way
+out); and how it reads a comma-separated choice of known names."""
 
 from __future__ import annotations
 
@@ -24,3 +25,12 @@ def run_tool(name: str, action: Callable[[], None], console: Console) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def choices(value: str, known, what: str) -> list[str]:
+    """A comma-separated option -> its items, each one of `known` (else a ValueError naming them)."""
+    chosen = value.split(",")
+    for choice in chosen:
+        if choice not in known:
+            raise ValueError(f"unknown {what} {choice!r}: choose from {', '.join(known)}")
+    return chosen
