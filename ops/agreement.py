@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.bench_offline import WORKLOADS, synthetic_workload, workload
-from ops.tool import choices, run_tool
+from ops.tool import choices, run_tool, wide_console
 from producer.protocol import SamplingParams
 
 
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_engine(args.model, args.dtype, args.workloads, args.count, args.seed,
                                                 args.first, reference, args.margins, args.compile)))
         return 0
-    return run_tool("agreement", lambda: measure(args, Console()), Console())
+    console = wide_console(150)
+    return run_tool("agreement", lambda: measure(args, console), console)
 
 
 if __name__ == "__main__":

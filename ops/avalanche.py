@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ops.tool import run_tool
+from ops.tool import run_tool, wide_console
 from ops.load.report import ALL, Report, summarize, to_json
 from ops.load.runner import RunResult, private_deployment, run
 from ops.load.trace import TraceRequest, generate, offered_rate
@@ -140,7 +140,7 @@ def _seconds(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(width=max(Console().width, 120), emoji=False)  # "random:llama:" is no emoji
+    console = wide_console(120)
     return run_tool("avalanche", lambda: avalanche(args, console), console)
 
 

@@ -67,7 +67,7 @@ from rich.table import Table
 
 from ops.bench_offline import linear_weights, synthetic_workload, workload
 from ops.percentile import percentile
-from ops.tool import run_tool
+from ops.tool import run_tool, wide_console
 from producer.protocol import SamplingParams
 from worker.engine.attention import ATTN_IMPLEMENTATION
 from worker.engine.config import EngineConfig
@@ -492,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(width=max(Console().width, 150), emoji=False)  # "random:llama:" is no emoji
+    console = wide_console(150)
     return run_tool("bench_gpu", lambda: bench(args, console), console)
 
 

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from ops.agreement import free_running, run_child
 from ops.bench_offline import WORKLOADS, workload
-from ops.tool import choices, run_tool
+from ops.tool import choices, run_tool, wide_console
 from worker.engine.disk_cache import cache_dir
 
 VLLM_VERSION = "0.32.0"
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=32, help="tokens of each request compared")
     parser.add_argument("--json", type=Path, help="the figures")
     args = parser.parse_args(argv)
-    console = Console()
+    console = wide_console(150)
     if args.setup:
         return run_tool("bench_vs_vllm --setup", lambda: set_up(args.venv, console), console)
     return run_tool("bench_vs_vllm", lambda: measure(args, console), console)

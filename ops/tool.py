@@ -1,7 +1,7 @@
 """How an ops tool's command ends: its expected failures (a deployment that would not start, a bad
 option, a file it cannot read, a Redis it cannot reach) as one red line and exit status 1, Ctrl-C or
 SIGTERM as 130, after the tool has stopped whatever it started (its context managers run on the way
-out); and how it reads a comma-separated choice of known names."""
+out); how it reads a comma-separated choice of known names; and the console its tables print on."""
 
 from __future__ import annotations
 
@@ -34,3 +34,9 @@ def choices(value: str, known, what: str) -> list[str]:
         if choice not in known:
             raise ValueError(f"unknown {what} {choice!r}: choose from {', '.join(known)}")
     return chosen
+
+
+def wide_console(width: int) -> Console:
+    """A console at least `width` columns wide: rich assumes 80 where the output is no terminal (a
+    log, a pipe), which cuts a wide table's figures to "1…". No emoji codes: "random:llama:" is none."""
+    return Console(width=max(Console().width, width), emoji=False)

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ops import cost_model
-from ops.tool import run_tool
+from ops.tool import run_tool, wide_console
 from ops.load.report import ALL, Report, summarize, to_json
 from ops.load.runner import RequestRecord, RunResult, private_deployment, run
 from ops.load.trace import TraceRequest, at_rate, generate, offered_rate, read_trace
@@ -294,7 +294,7 @@ def _load(load: float) -> str:
 # --- the command ---------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(width=max(Console().width, 150), emoji=False)  # "random:llama:" is no emoji
+    console = wide_console(150)
     return run_tool("tune", lambda: tune(args, console), console)
 
 

@@ -37,7 +37,7 @@ from ops.roofline import peaks as machine
 from ops.roofline.costs import Geometry, step_json, summarize
 from ops.roofline.report import classes_table, peaks_table, plot, split_table
 from ops.roofline.steps import StepClock, run, warm_up
-from ops.tool import run_tool
+from ops.tool import run_tool, wide_console
 from worker.config import DEFAULT_MODEL
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here, each step's included")
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     args = parser.parse_args(argv)
-    console = Console(width=max(Console().width, 150), emoji=False)  # "random:llama:" is no emoji
+    console = wide_console(150)
     return run_tool("roofline", lambda: measure(console, args), console)
 
 

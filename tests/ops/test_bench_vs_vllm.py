@@ -133,7 +133,7 @@ def test_the_row_compares_throughput_and_our_tokens_against_vllms():
         "mixed", "float32", "eager", "2", "4.0", "2.0", "2.00x", "62.5% / 25.0%", "1/2"]
 
 
-def test_a_run_puts_our_engine_and_vllm_on_the_same_requests(tmp_path, fake_vllm, model_dir):
+def test_a_run_puts_our_engine_and_vllm_on_the_same_requests(tmp_path, fake_vllm, model_dir, capsys):
     venv, log = fake_vllm
     figures = tmp_path / "figures.json"
     assert main(["--venv", str(venv), "--model", str(model_dir), "--workloads", "mixed", "--count", "3",
@@ -142,6 +142,9 @@ def test_a_run_puts_our_engine_and_vllm_on_the_same_requests(tmp_path, fake_vllm
     assert (row["workload"], row["dtype"], row["mode"], row["requests"]) == ("mixed", "float32", "eager", 3)
     assert row["ratio"] == pytest.approx(row["ours_tokens_per_s"] / row["vllm_tokens_per_s"])
     assert logged(log)[0]["options"]["model"] == str(model_dir)
+    # printed whole where the output is no terminal (rich assumes 80 columns there: "ours/…", "float…")
+    header = next(line for line in capsys.readouterr().out.splitlines() if "workload" in line)
+    assert "ours/vLLM" in header and "first 4 agreeing: mean / min" in header
 
 
 def test_compiled_mode_compiles_both_engines_and_eager_neither(tmp_path, fake_vllm, model_dir, monkeypatch):
