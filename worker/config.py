@@ -122,9 +122,9 @@ ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bf
                               "while serving, says keep it under (the fast lane's first)",
                 "compile": "torch.compile the model forward. Measured on 2-core CPUs, SmolLM2-135M fp32: against eager "
                            "1.01x tokens/s on mixed work, 1.09x on chat, 1.17x on long prompts (AVX-512; another day "
-                           "0.94x on mixed), 1.15x on AVX2; the first start compiles for about 2.5 minutes, a restart "
-                           "finds the compiled code in 20 s (kept in inductor/ of the streambatch cache unless "
-                           "TORCHINDUCTOR_CACHE_DIR says otherwise) against 8 s eager",
+                           "0.94x on mixed), 1.09-1.15x on mixed work on AVX2; the first start compiles for about "
+                           "2.5 minutes, a restart finds the compiled code in 20 s (kept in inductor/ of the "
+                           "streambatch cache unless TORCHINDUCTOR_CACHE_DIR says otherwise) against 8 s eager",
                 "tensor_parallel": "split the model across this many ranks, one process and device each (rank r on "
                                    "cuda:r); --kv-cache-memory is per rank"}
 ENGINE_OPTIONS: dict[str, msgspec.structs.FieldInfo] = {
