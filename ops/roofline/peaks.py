@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine.linear import PackedLinear, packing_backend, packing_works
+from worker.engine.linear import PackedLinear, cpu_computes_bf16, packing_backend, packing_works
 
 CHUNKS, QUICK_CHUNKS = (64, 256, 1024, 2048), (64, 512)  # rows (tokens) per GEMM
 REPEATS, QUICK_REPEATS = 5, 2  # timed calls per measurement, after one to warm up
@@ -68,8 +68,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtypes_to_measure(run_dtype: torch.dtype) -> list[torch.dtype]:
     """float32, bfloat16 where the CPU computes it natively (avx512_bf16 / AMX), and the run's own."""
-    native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16 else [])
+    dtypes = [torch.float32] + ([torch.bfloat16] if cpu_computes_bf16() else [])
     return list(dict.fromkeys(dtypes + [run_dtype]))
 
 

@@ -26,13 +26,17 @@ from worker.engine import kernels
 FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+def cpu_computes_bf16() -> bool:
+    """The CPU has bf16 instructions (avx512_bf16 or AMX), as oneDNN sees it."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def packing_backend(dtype: torch.dtype) -> str | None:
     """Which pre-packed GEMM serves CPU linear layers of this dtype: "native" (ours), "onednn", or None.
     bf16 goes to oneDNN only where the CPU has AMX (a 2-core Xeon: 2,836 GFLOP/s bf16 against 339 float32):
     with avx512_bf16 alone its bf16 GEMM peaked at 150 GFLOP/s against float32's 269, and ours (bf16
     weights, float32 arithmetic) ran SmolLM2's layers 1.0-1.6x faster than it for 1-256 rows."""
-    amx_bf16 = (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    amx_bf16 = cpu_computes_bf16() and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     if dtype == torch.bfloat16 and amx_bf16:
         return "onednn"
     if dtype in (torch.float32, torch.bfloat16) and kernels.native() is not None:
