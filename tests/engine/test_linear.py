@@ -35,6 +35,35 @@ def test_native_float32_kernel_matches_nn_linear_for_any_rows_and_columns(in_fea
     assert torch.allclose(packed(wide), linear(wide), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pairs", [False, True], ids=["bf16 weights", "bf16 by bf16"])
+@pytest.mark.parametrize("in_features,out_features", [(64, 96), (13, 5), (1536, 70)])
+def test_native_bfloat16_kernel_sums_in_float32_for_any_rows_and_columns(in_features, out_features, pairs):
+    """bf16 weights, float32 input: widened to float32 in registers, or (pairs, with avx512_bf16) the
+    input rounded to bf16 and multiplied two k at a time by vdpbf16ps. Either way float32 sums of
+    the same products as F.linear in float32: every tile height, an odd K (a zero k padded on), a
+    partial last panel of columns, more rows than one cached chunk."""
+    if kernels.native() is None:
+        pytest.fail("the native kernels did not build")
+    if pairs and not kernels.bf16_dot_products():
+        pytest.skip("this CPU has no avx512_bf16")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(out_features, in_features).bfloat16(), torch.randn(out_features)
+    packed = kernels.pack_linear_weight(weight, pairs)
+    for rows in [*range(1, 26), 64, 100]:
+        x = torch.randn(rows, in_features)
+        expected = torch.nn.functional.linear(x.bfloat16().float() if pairs else x, weight.float(), bias)
+        torch.testing.assert_close(kernels.packed_linear(x, packed, bias, out_features), expected,
+                                   atol=1e-4, rtol=1e-5, msg=f"{rows} rows")
+
+
+def test_weights_in_pairs_of_k_need_bfloat16_and_avx512_bf16():
+    with pytest.raises(RuntimeError, match="pairs of k"):
+        kernels.pack_linear_weight(torch.randn(4, 8), True)
+    if not kernels.bf16_dot_products():
+        with pytest.raises(RuntimeError, match="avx512_bf16"):
+            kernels.pack_linear_weight(torch.randn(4, 8).bfloat16(), True)
+
+
 def test_pack_linear_layers_replaces_every_linear_and_keeps_outputs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))

@@ -2,7 +2,7 @@
 
 `paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp),
 `write_kv` puts new keys and values into it (csrc/write_kv.cpp);
-`pack_linear_weight` / `packed_linear` are a float32 GEMM for pre-packed weights (csrc/linear.cpp),
+`pack_linear_weight` / `packed_linear` are a GEMM for pre-packed weights, float32 sums (csrc/linear.cpp),
 the latter also the operator torch.ops.streambatch.packed_linear (with a shape function, so that
 torch.compile traces through it).
 
@@ -35,7 +35,9 @@ def kernels_extension() -> Extension:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         capability = "DEFAULT"
-    defines = [f"-DCPU_CAPABILITY={capability}"] + ([f"-DCPU_CAPABILITY_{capability}"] if capability != "DEFAULT" else [])
+    defines = [f"-DCPU_CAPABILITY={capability}"]
+    if capability != "DEFAULT":
+        defines.append(f"-DCPU_CAPABILITY_{capability}")
     sources = ("bindings.cpp", "paged_decode.cpp", "write_kv.cpp", "linear.cpp")
     return Extension(f"streambatch_kernels_{capability.lower()}", tuple(Path(__file__).with_name("csrc") / name
                                                                         for name in sources),
@@ -70,14 +72,20 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     native().write_kv(k_cache, v_cache, slots, key, value)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 or bfloat16 weight [out, in] -> the panels `packed_linear` reads."""
-    return native().pack_linear_weight(weight.contiguous())
+def bf16_dot_products() -> bool:
+    """The build multiplies bfloat16 by bfloat16 (avx512_bf16's vdpbf16ps): `pack_linear_weight`'s pairs."""
+    return native().bf16_dot_products()
+
+
+def pack_linear_weight(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """A float32 or bfloat16 weight [out, in] -> the panels `packed_linear` reads; `pairs` (bfloat16,
+    where bf16_dot_products) packs each column's k two by two, for inputs rounded to bfloat16."""
+    return native().pack_linear_weight(weight.contiguous(), pairs)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., in] -> x @ weight.T + bias [..., out] in x's dtype, computed in float32; the weight
-    packed by pack_linear_weight, the bias float32."""
+    """x [..., in] -> x @ weight.T + bias [..., out] in x's dtype, summed in float32 (of x rounded to
+    bfloat16 where the weight was packed in pairs); the weight packed by pack_linear_weight, the bias float32."""
     return torch.ops.streambatch.packed_linear(x, packed, bias, out_features)
 
 

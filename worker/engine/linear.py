@@ -1,7 +1,7 @@
 """The model's linear layers, made faster without touching its code: sibling projections of
 one input fused into one GEMM, and on CPU weights pre-packed for a faster GEMM (packing_backend):
-our kernel (csrc/linear.cpp) for float32, and for bf16 on CPUs without AMX (bf16 weights, float32
-arithmetic); oneDNN's for bf16 where the CPU has AMX.
+our kernel (csrc/linear.cpp) for float32, and for bf16 on CPUs without AMX (bf16 by bf16 with
+avx512_bf16, else bf16 weights in float32 arithmetic); oneDNN's for bf16 where the CPU has AMX.
 
 Fusing: q/k/v and gate/up read the same input, so one GEMM with their weights stacked reads
 that input once and gives the GEMM a wider, more efficient shape; each original module is
@@ -34,8 +34,9 @@ def cpu_computes_bf16() -> bool:
 def packing_backend(dtype: torch.dtype) -> str | None:
     """Which pre-packed GEMM serves CPU linear layers of this dtype: "native" (ours), "onednn", or None.
     bf16 goes to oneDNN only where the CPU has AMX (a 2-core Xeon: 2,836 GFLOP/s bf16 against 339 float32):
-    with avx512_bf16 alone its bf16 GEMM peaked at 150 GFLOP/s against float32's 269, and ours (bf16
-    weights, float32 arithmetic) ran SmolLM2's layers 1.0-1.6x faster than it for 1-256 rows."""
+    with avx512_bf16 alone its bf16 GEMM peaked at 150 GFLOP/s against float32's 269, and ours ran
+    SmolLM2's layers 1.0-1.6x faster than it for 1-256 rows even in float32 arithmetic; with vdpbf16ps
+    (kernels.bf16_dot_products) ours runs SmolLM2's shapes at 1.6-1.9x its own float32 for 16-2,048 rows."""
     amx_bf16 = cpu_computes_bf16() and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     if dtype == torch.bfloat16 and amx_bf16:
         return "onednn"
@@ -55,7 +56,8 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach()
         self.native = packing_backend(weight.dtype) == "native"
-        self.packed_weight = (kernels.pack_linear_weight(weight) if self.native
+        pairs = self.native and weight.dtype == torch.bfloat16 and kernels.bf16_dot_products()
+        self.packed_weight = (kernels.pack_linear_weight(weight, pairs) if self.native
                               else torch.ops.mkldnn._reorder_linear_weight(weight))
         self.bias = bias.float() if self.native and bias is not None else bias  # ours adds in float32
 

@@ -3,6 +3,9 @@
 // line of weights per k and broadcasts one input value per row into 2 x rows accumulators.
 // W may be bfloat16: widened to float32 in registers (for CPUs without bf16 instructions,
 // where oneDNN's bf16 GEMM ran at 17 GFLOP/s here), half the bytes of float32 weights to read.
+// Where the build has avx512_bf16 (BF16_DOT), bfloat16 weights are packed in pairs of k instead
+// ([panels, K / 2, NR, 2]) and multiplied by the input rounded to bfloat16 with vdpbf16ps, which
+// does two k per instruction into float32 accumulators: twice the arithmetic of an FMA.
 //
 // Why our own: decode steps multiply a few rows (1-64) by every weight of the model, and
 // oneDNN's packed GEMM spends there up to twice the time its FLOPs need (SmolLM2's 30 layers,
@@ -14,6 +17,14 @@
 
 #include <algorithm>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BF16_DOT 1
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
 
 namespace {
 
@@ -64,21 +75,54 @@ inline void micro(const float* x, int64_t K, const W* panel, const float* bias, 
   }
 }
 
+#ifdef BF16_DOT
+// micro with bfloat16 input rows and a panel packed in pairs of k: each step of the loop takes
+// two k, one broadcast pair of inputs per row against NR pairs of weights.
+template <int R>
+inline void micro(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, const float* bias, float* y,
+                  int64_t ldy) {
+  __m512 acc0[R], acc1[R];
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + V) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = b0;
+    acc1[r] = b1;
+  }
+  const auto* pairs = reinterpret_cast<const int32_t*>(x);  // row r's k-pair j at r * K / 2 + j
+  for (int64_t j = 0; j < K / 2; ++j) {
+    const auto w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * NR);
+    const auto w1 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * NR + NR);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const auto a = (__m512bh)_mm512_set1_epi32(pairs[r * K / 2 + j]);
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, w0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, w1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y + r * ldy, acc0[r]);
+    _mm512_storeu_ps(y + r * ldy + V, acc1[r]);
+  }
+}
+#endif
+
 // micro<rows> with the row count known at run time (1 .. MR)
-template <typename W, int R = MR>
-inline void micro_rows(int64_t rows, const float* x, int64_t K, const W* panel, const float* bias, float* y,
+template <typename X, typename W, int R = MR>
+inline void micro_rows(int64_t rows, const X* x, int64_t K, const W* panel, const float* bias, float* y,
                        int64_t ldy) {
   if constexpr (R > 0) {
     if (rows == R) return micro<R>(x, K, panel, bias, y, ldy);
-    micro_rows<W, R - 1>(rows, x, K, panel, bias, y, ldy);
+    micro_rows<X, W, R - 1>(rows, x, K, panel, bias, y, ldy);
   }
 }
 
-// y [M, N] = x [M, K] . W^T + bias, W packed in panels of NR columns.
-template <typename W>
-void gemm(const float* xs, const W* ws, const float* bs, float* ys, int64_t M, int64_t N, int64_t K, int64_t panels) {
+// y [M, N] = x [M, K] . W^T + bias, W packed in panels of NR columns (K even for bfloat16 x).
+template <typename X, typename W>
+void gemm(const X* xs, const W* ws, const float* bs, float* ys, int64_t M, int64_t N, int64_t K, int64_t panels) {
   // Rows in chunks that stay in L2 while every panel streams past once; the threads split the panels.
-  const int64_t chunk = std::max<int64_t>(MR, ROWS_IN_CACHE / (K * 4) / MR * MR);
+  const int64_t chunk = std::max<int64_t>(MR, ROWS_IN_CACHE / (K * sizeof(X)) / MR * MR);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0), tiles = (rows + MR - 1) / MR;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -109,36 +153,60 @@ void gemm(const float* xs, const W* ws, const float* bs, float* ys, int64_t M, i
 
 }  // namespace
 
-// w [N, K] float32 or bfloat16 -> [ceil(N / NR), K, NR] of the same type, the columns past N zero
-torch::Tensor pack_linear_weight(torch::Tensor w) {
+bool bf16_dot_products() { return kBf16Dot; }
+
+// w [N, K] float32 or bfloat16 -> [ceil(N / NR), K, NR] of the same type, the columns past N zero;
+// with `pairs` (bfloat16 weights, a BF16_DOT build) [ceil(N / NR), ceil(K / 2), 2 * NR]: each column's
+// two k side by side, K padded with a zero.
+torch::Tensor pack_linear_weight(torch::Tensor w, bool pairs) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
               "pack_linear_weight: a 2-D float32 or bfloat16 weight");
+  TORCH_CHECK(!pairs || (kBf16Dot && w.scalar_type() == torch::kBFloat16),
+              "pack_linear_weight: pairs of k need bfloat16 weights and a build with avx512_bf16");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + NR - 1) / NR;
+  if (pairs) {
+    const int64_t halves = (K + 1) / 2;
+    auto padded = torch::zeros({panels * NR, 2 * halves}, w.options());
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+    return padded.view({panels, NR, halves, 2}).permute({0, 2, 1, 3}).contiguous().view({panels, halves, 2 * NR});
+  }
   auto padded = torch::zeros({panels * NR, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({panels, NR, K}).transpose(1, 2).contiguous();
 }
 
-// x [M, K] float32 contiguous, packed from pack_linear_weight, bias [N] float32 or undefined -> [M, N] float32
+// x [M, K] (rounded to bfloat16 for weights in pairs of k, else float32), packed from pack_linear_weight,
+// bias [N] float32 or undefined -> [M, N] in x's type, summed in float32
 torch::Tensor packed_linear(torch::Tensor input, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
   TORCH_CHECK(input.dim() >= 1, "packed_linear: input [..., K]");
   TORCH_CHECK(packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16,
               "packed_linear: float32 or bfloat16 weights");
-  const auto x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();  // no copy when it already is
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == NR && packed.size(0) * NR >= N,
+  const bool pairs = packed.dim() == 3 && packed.size(2) == 2 * NR;  // packed in pairs of k
+  TORCH_CHECK(!pairs || (kBf16Dot && packed.scalar_type() == torch::kBFloat16),
+              "packed_linear: weights in pairs of k are bfloat16, for a build with avx512_bf16");
+  // no copy when the input already is of that type and contiguous
+  auto x = input.reshape({-1, input.size(-1)}).to(pairs ? torch::kBFloat16 : torch::kFloat).contiguous();
+  const int64_t K = x.size(1);
+  if (pairs && K % 2) x = torch::constant_pad_nd(x, {0, 1});  // the weights' zero k
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == (pairs ? (K + 1) / 2 : K) &&
+                  packed.size(2) == (pairs ? 2 * NR : NR) && packed.size(0) * NR >= N,
               "packed_linear: the weight was not packed for this input size");
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  const int64_t M = x.size(0), panels = packed.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const bool has_bias = bias && bias->defined();
   TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
                             bias->scalar_type() == torch::kFloat), "packed_linear: bias [N] float32");
-  const float* xs = x.data_ptr<float>();
   const float* bs = has_bias ? bias->data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
-  if (packed.scalar_type() == torch::kBFloat16)
-    gemm(xs, packed.data_ptr<c10::BFloat16>(), bs, ys, M, N, K, panels);
+#ifdef BF16_DOT
+  if (pairs)
+    gemm(x.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(), bs, ys, M, N, x.size(1), panels);
   else
-    gemm(xs, packed.data_ptr<float>(), bs, ys, M, N, K, panels);
+#endif
+  if (packed.scalar_type() == torch::kBFloat16)
+    gemm(x.data_ptr<float>(), packed.data_ptr<c10::BFloat16>(), bs, ys, M, N, K, panels);
+  else
+    gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bs, ys, M, N, K, panels);
   auto sizes = input.sizes().vec();
   sizes.back() = N;
   return y.view(sizes).to(input.scalar_type());
