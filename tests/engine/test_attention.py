@@ -333,3 +333,33 @@ def test_written_kv_reads_back_in_position_order(native):
         write_kv(k_cache, v_cache, slots // 4, slots % 4, key, value)
     k, v = read_kv(k_cache, v_cache, table, 10, backend)
     assert torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], value.transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_native_prefill_attention_matches_masked_sdpa(block_size, dtype):
+    """csrc/prefill_attention.cpp against SDPA with an explicit mask over the gathered context, for
+    chunks fresh and after a cached prefix, shorter and longer than its tiles (16 queries, 32-64
+    keys), with and without a sliding window, 9 query heads on 3 KV heads (SmolLM2's)."""
+    if kernels.native() is None:
+        pytest.fail("the native kernels did not build")
+    heads, kv_heads, dim, num_blocks = 9, 3, 64, 64
+    generator = torch.Generator().manual_seed(block_size)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for shape in
+                        attention.kv_cache_shapes(num_blocks, block_size, kv_heads, dim, "native"))
+    for computed, new, window in [(0, 1, None), (0, 37, None), (7, 1, None), (100, 77, None), (0, 150, 50),
+                                  (333, 90, 64), (64, 129, None)]:
+        length = computed + new
+        blocks = torch.randperm(num_blocks, generator=generator)[:-(-length // block_size)]
+        q = torch.randn(new, heads, dim, generator=generator).to(dtype)
+        out = torch.empty_like(q)
+        kernels.prefill_attention(q, k_cache, v_cache, blocks, computed, dim ** -0.5, window, out)
+        k, v = attention.read_kv(k_cache, v_cache, blocks[None], length, "native")
+        positions, keys = torch.arange(computed, length)[:, None], torch.arange(length)
+        visible = (keys <= positions) & ((keys > positions - window) if window else True)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].float(), k.float(), v.float(), attn_mask=visible, scale=dim ** -0.5,
+            enable_gqa=True)[0].transpose(0, 1)
+        # bf16: the output's own rounding (2^-8 relative) on values of about 1
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=0, msg=f"{computed} + {new}, {window}")

@@ -175,8 +175,8 @@ def test_crash_during_conversion_leaves_no_cache(monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [".smollm2-135m-instruct-q4_1.lock"]  # and no half cache
 
 
-def paged_matches_stock(model, tokenizer, atol):
-    """The paged forward of a chat prompt agrees with the same model under stock HF attention."""
+def paged_and_stock_logits(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last logits of a chat prompt by the paged forward and by the same model under stock HF attention."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
                                         add_generation_prompt=True, return_dict=False)
     ids = ids["input_ids"] if isinstance(ids, dict) else ids
@@ -186,10 +186,14 @@ def paged_matches_stock(model, tokenizer, atol):
         paged = run_model(model, torch.tensor(ids), meta)[0]
         model.set_attn_implementation("sdpa")
         try:
-            expected = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            stock = model(input_ids=torch.tensor([ids])).logits[0, -1]
         finally:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    torch.testing.assert_close(paged, expected, atol=atol, rtol=0)
+    return paged, stock
+
+
+def paged_matches_stock(model, tokenizer, atol):
+    torch.testing.assert_close(*paged_and_stock_logits(model, tokenizer), atol=atol, rtol=0)
 
 
 @pytest.mark.real_model
@@ -215,4 +219,8 @@ def test_gguf_path_loads():
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.bfloat16
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
     assert tokenizer.eos_token == "<|im_end|>"
-    paged_matches_stock(model, tokenizer, atol=0.1)
+    # In bf16 the two forwards round differently (on CPU the paged attention sums in float32, stock
+    # SDPA in bf16): each is held to the float32 forward of the same weights instead of to the other.
+    paged, stock = paged_and_stock_logits(model, tokenizer)
+    exact, _ = paged_and_stock_logits(torch.nn.Module.float(model), tokenizer)  # transformers refuses GGUF's .float()
+    assert (paged - exact).abs().max() <= 1.25 * (stock - exact).abs().max()

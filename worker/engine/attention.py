@@ -12,7 +12,11 @@ their K/V straight from the blocks: SmolLM2's 16-row decode step of the offline 
 (or without a compiler) they are sorted by length, cut into groups of bounded padded size, each
 group's KV gathered into [decodes, kv_heads, max_len, dim] and served by one SDPA call, with
 the query heads of a KV group folded into the query axis (no K/V repeat for GQA).
-Prefill chunks run one SDPA each (plain is_causal when no cached prefix).
+Prefill chunks on the native backend are read from the blocks too (csrc/prefill_attention.cpp:
+flash attention's tiles, nothing computed past the causal line): against SDPA on SmolLM2's shape
+(AVX-512, 2 threads) 2.5x for a fresh 2,048-token prompt, 1.9-2.2x for chunks after a cached
+prefix, whose explicit mask makes SDPA compute the masked half too; elsewhere one SDPA each (plain
+is_causal when no cached prefix).
 On CUDA the Triton kernels of triton_attention.py serve the whole step in one launch instead.
 
 Gather + SDPA, measured (SmolLM2-135M shape, random weights, 64 decodes with 100-600 context, block 16, CPU,
@@ -367,6 +371,11 @@ def attend(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
         out.index_copy_(0, decodes.rows, o.reshape(n, num_heads, head_dim))
 
     for i, chunk in enumerate(meta.prefills):
+        if meta.backend == "native":
+            kernels.prefill_attention(query[0, :, chunk.start : chunk.end].transpose(0, 1), k_cache, v_cache,
+                                      chunk.blocks, chunk.num_computed, scaling, sliding_window,
+                                      out[chunk.start : chunk.end])
+            continue
         q = query[:, :, chunk.start : chunk.end]
         if chunk.num_computed == 0 and sliding_window is None:
             # Fresh prompt: its K/V are all in this step, the mask is plain causal.

@@ -33,6 +33,7 @@ BUILD_WAIT_S = float(os.environ.get("STREAMBATCH_BUILD_WAIT", 900))  # for anoth
 class Extension:
     name: str
     sources: tuple[Path, ...]
+    headers: tuple[Path, ...] = ()  # included by the sources: part of what a build is of
     cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
 
@@ -40,7 +41,7 @@ class Extension:
     def build_dir(self) -> Path:
         """Where this machine's build lives (present once complete)."""
         digest = hashlib.sha256()
-        for source in self.sources:
+        for source in self.sources + self.headers:
             digest.update(source.read_bytes())
         digest.update(repr((self.cflags, self.ldflags, torch.__version__, sys.version_info[:2], _cpu_flags())).encode())
         return cache_dir() / "kernels" / f"{self.name}-{digest.hexdigest()[:16]}"

@@ -1,6 +1,7 @@
 """Native CPU kernels, built once per machine (extension.py).
 
-`paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp),
+`paged_decode` reads decode attention straight from the paged cache (csrc/paged_decode.cpp), and
+`prefill_attention` a prompt chunk's, causal, tile by tile (csrc/prefill_attention.cpp);
 `write_kv` puts new keys and values into it (csrc/write_kv.cpp);
 `pack_linear_weight` / `packed_linear` are a GEMM for pre-packed weights, float32 sums (csrc/linear.cpp),
 the latter also the operator torch.ops.streambatch.packed_linear (with a shape function, so that
@@ -38,9 +39,10 @@ def kernels_extension() -> Extension:
     defines = [f"-DCPU_CAPABILITY={capability}"]
     if capability != "DEFAULT":
         defines.append(f"-DCPU_CAPABILITY_{capability}")
-    sources = ("bindings.cpp", "paged_decode.cpp", "write_kv.cpp", "linear.cpp")
-    return Extension(f"streambatch_kernels_{capability.lower()}", tuple(Path(__file__).with_name("csrc") / name
-                                                                        for name in sources),
+    csrc = Path(__file__).with_name("csrc")
+    sources = ("bindings.cpp", "paged_decode.cpp", "prefill_attention.cpp", "write_kv.cpp", "linear.cpp")
+    return Extension(f"streambatch_kernels_{capability.lower()}", tuple(csrc / name for name in sources),
+                     headers=(csrc / "attention_tiles.h",),
                      cflags=("-O3", "-march=native", "-fopenmp", *defines), ldflags=("-fopenmp",))
 
 
@@ -64,6 +66,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q [seqs, heads, dim] -> attention output [seqs, heads, dim], one token per sequence."""
     return native().paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale,
                                  sliding_window or 0)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                      num_computed: int, scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    """q [T, heads, dim]: a sequence's T new tokens at positions num_computed .. num_computed + T - 1,
+    whose keys and values are in the cache -> their attention output, written into `out` [T, heads,
+    dim] (contiguous); blocks: the sequence's block table (int64)."""
+    native().prefill_attention(q.contiguous(), k_cache, v_cache, blocks, num_computed, scale, sliding_window or 0,
+                               out)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,

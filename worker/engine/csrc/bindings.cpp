@@ -4,6 +4,8 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor lens, double scale, int64_t window);
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor blocks,
+                       int64_t computed, double scale, int64_t window, torch::Tensor out);
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor key,
               torch::Tensor value);
 bool bf16_dot_products();
@@ -12,6 +14,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
+  m.def("prefill_attention", &prefill_attention);
   m.def("write_kv", &write_kv);
   m.def("bf16_dot_products", &bf16_dot_products);
   m.def("pack_linear_weight", &pack_linear_weight);

@@ -17,7 +17,7 @@
 #include <algorithm>
 #include <vector>
 
-using Vec = at::vec::Vectorized<float>;
+#include "attention_tiles.h"
 
 // acc[x0 .. x0 + X * V) += sum over the block's rows j in [lo, hi) of weights[j] * values[j * dim + x]:
 // X independent accumulators held in registers across the rows.
@@ -72,39 +72,9 @@ static inline const float* as_float(const T* values, float* buffer, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return values;
   } else {
-    for (int64_t x = 0; x < n; ++x) buffer[x] = float(values[x]);
+    to_float(values, buffer, n);
     return buffer;
   }
-}
-
-// scores[h * stride + p] = scale * q_h . key[p] for H query heads of one KV head (q: H rows of
-// dim) and the positions p0 .. p0 + P * V of a transposed key tile [dim, block_size]: vectorized
-// across positions (no horizontal sums), H x P independent accumulators so that the FMA chains
-// over dim overlap, and each key vector loaded once for all H heads.
-template <int H, int P>
-static inline void tile_scores(const float* q, const float* tile, float* scores, int64_t stride, int64_t dim,
-                               int64_t block_size, int64_t p0, float scale) {
-  int64_t lanes[P];
-  for (int j = 0; j < P; ++j) lanes[j] = std::clamp<int64_t>(block_size - p0 - j * Vec::size(), 0, Vec::size());
-  Vec acc[H][P];
-#pragma GCC unroll 8
-  for (int h = 0; h < H; ++h)
-#pragma GCC unroll 2
-    for (int j = 0; j < P; ++j) acc[h][j] = Vec(0.f);
-  for (int64_t x = 0; x < dim; ++x) {
-    Vec keys[P];
-#pragma GCC unroll 2
-    for (int j = 0; j < P; ++j) keys[j] = Vec::loadu(tile + x * block_size + p0 + j * Vec::size(), lanes[j]);
-#pragma GCC unroll 8
-    for (int h = 0; h < H; ++h) {
-      const Vec query(q[h * dim + x]);
-#pragma GCC unroll 2
-      for (int j = 0; j < P; ++j) acc[h][j] = at::vec::fmadd(query, keys[j], acc[h][j]);
-    }
-  }
-  for (int h = 0; h < H; ++h)
-    for (int j = 0; j < P; ++j)
-      if (lanes[j] > 0) (acc[h][j] * Vec(scale)).store(scores + h * stride + p0 + j * Vec::size(), lanes[j]);
 }
 
 // tile_scores for `heads` query heads (any number) over a whole block.

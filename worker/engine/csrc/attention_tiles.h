@@ -1,0 +1,60 @@
+// What both attention kernels (paged_decode.cpp, prefill_attention.cpp) do tile by tile: read
+// cache values as float32, and score query rows against a tile of keys.
+#pragma once
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <type_traits>
+
+using Vec = at::vec::Vectorized<float>;
+
+// dst[0 .. n) = src[0 .. n) as float, vectorized (a scalar loop here cost a bf16 decode step a
+// third of its attention time)
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy_n(src, n, dst);
+  } else if constexpr (!c10::is_reduced_floating_point_v<T>) {  // double
+    for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
+  } else {
+    using Narrow = at::vec::Vectorized<T>;
+    int64_t i = 0;
+    for (; i + Narrow::size() <= n; i += Narrow::size()) {
+      const auto [low, high] = at::vec::convert_to_float<T>(Narrow::loadu(src + i));
+      low.store(dst + i);
+      high.store(dst + i + Vec::size());
+    }
+    for (; i < n; ++i) dst[i] = float(src[i]);
+  }
+}
+
+// scores[h * stride + p] = scale * q_h . key[p] for H query heads of one KV head (q: H rows of
+// dim) and the positions p0 .. p0 + P * V of a transposed key tile [dim, block_size]: vectorized
+// across positions (no horizontal sums), H x P independent accumulators so that the FMA chains
+// over dim overlap, and each key vector loaded once for all H heads.
+template <int H, int P>
+inline void tile_scores(const float* q, const float* tile, float* scores, int64_t stride, int64_t dim,
+                        int64_t block_size, int64_t p0, float scale) {
+  int64_t lanes[P];
+  for (int j = 0; j < P; ++j) lanes[j] = std::clamp<int64_t>(block_size - p0 - j * Vec::size(), 0, Vec::size());
+  Vec acc[H][P];
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) acc[h][j] = Vec(0.f);
+  for (int64_t x = 0; x < dim; ++x) {
+    Vec keys[P];
+#pragma GCC unroll 4
+    for (int j = 0; j < P; ++j) keys[j] = Vec::loadu(tile + x * block_size + p0 + j * Vec::size(), lanes[j]);
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) {
+      const Vec query(q[h * dim + x]);
+#pragma GCC unroll 4
+      for (int j = 0; j < P; ++j) acc[h][j] = at::vec::fmadd(query, keys[j], acc[h][j]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < P; ++j)
+      if (lanes[j] > 0) (acc[h][j] * Vec(scale)).store(scores + h * stride + p0 + j * Vec::size(), lanes[j]);
+}
