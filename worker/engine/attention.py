@@ -14,8 +14,8 @@ group's KV gathered into [decodes, kv_heads, max_len, dim] and served by one SDP
 the query heads of a KV group folded into the query axis (no K/V repeat for GQA).
 Prefill chunks on the native backend are read from the blocks too (csrc/prefill_attention.cpp:
 flash attention's tiles, nothing computed past the causal line): against SDPA on SmolLM2's shape
-(AVX-512, 2 threads) 2.5x for a fresh 2,048-token prompt, 1.9-2.2x for chunks after a cached
-prefix, whose explicit mask makes SDPA compute the masked half too; elsewhere one SDPA each (plain
+(AVX-512, 2 threads, chunks of 512-2,048 tokens, fresh or after a cached prefix, whose explicit mask
+makes SDPA compute the masked half too) 1.5-2.5x over several runs; elsewhere one SDPA each (plain
 is_causal when no cached prefix).
 On CUDA the Triton kernels of triton_attention.py serve the whole step in one launch instead.
 
