@@ -363,3 +363,33 @@ def test_native_prefill_attention_matches_masked_sdpa(block_size, dtype):
         # bf16: the output's own rounding (2^-8 relative) on values of about 1
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=0, msg=f"{computed} + {new}, {window}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_native_paged_decode_matches_sdpa(block_size, dtype):
+    """csrc/paged_decode.cpp against SDPA over each sequence's gathered context: lengths shorter
+    than a block, across blocks and ending mid-block, with and without a sliding window; block
+    sizes under a vector's width (read in partial vectors) and over it; bf16 caches widened in
+    registers."""
+    if kernels.native() is None:
+        pytest.fail("the native kernels did not build")
+    heads, kv_heads, dim = 9, 3, 64
+    lens = torch.tensor([1, 5, block_size, block_size + 3, 200, 333])
+    max_blocks = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    generator = torch.Generator().manual_seed(block_size)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for shape in
+                        attention.kv_cache_shapes(num_blocks, block_size, kv_heads, dim, "native"))
+    tables = torch.randperm(num_blocks, generator=generator)[:len(lens) * max_blocks].view(len(lens), max_blocks)
+    q = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    for window in (None, 50):
+        out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, window)
+        for i, length in enumerate(lens.tolist()):
+            k, v = attention.read_kv(k_cache, v_cache, tables[i:i + 1], length, "native")
+            first = max(0, length - window) if window else 0
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q[i:i + 1, :, None].float(), k[:, :, first:].float(), v[:, :, first:].float(), scale=dim ** -0.5,
+                enable_gqa=True)[0, :, 0]
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out[i].float(), expected, atol=tolerance, rtol=0, msg=f"{length}, {window}")

@@ -192,7 +192,9 @@ def sample_on_device(logits: torch.Tensor, requests: list[SampleRequest]) -> Dev
     raw_logprobs = logits[logprob_rows].log_softmax(dim=1) if wants_logprobs else None
 
     apply_penalties(logits, requests)
-    tokens = logits.argmax(dim=1)  # what greedy rows keep (after penalties, like vLLM)
+    # what greedy rows keep (after penalties, like vLLM); max's indices are argmax's (the first of
+    # equals), 2.5x faster on CPU for 64 rows of a 49k vocabulary
+    tokens = logits.max(dim=1).indices
     rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if rows:
         subset, index = [requests[i] for i in rows], _index(rows, logits)

@@ -29,12 +29,32 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   }
 }
 
+// The first n (at most a vector's) values at src as float, the rest 0: a cache of a narrower type
+// is widened in registers, so that a kernel reading each value once needs no float copy of it
+template <typename T>
+inline Vec load_float(const T* src, int64_t n = Vec::size()) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(src, n);
+  } else {
+    if constexpr (c10::is_reduced_floating_point_v<T>) {
+      if (n == Vec::size()) {
+        Vec out;
+        at::vec::load_to_float(src, out);
+        return out;
+      }
+    }
+    __at_align__ float part[Vec::size()] = {};  // a partial vector (or double's values)
+    for (int64_t i = 0; i < n; ++i) part[i] = float(src[i]);
+    return Vec::loadu(part);
+  }
+}
+
 // scores[h * stride + p] = scale * q_h . key[p] for H query heads of one KV head (q: H rows of
 // dim) and the positions p0 .. p0 + P * V of a transposed key tile [dim, block_size]: vectorized
 // across positions (no horizontal sums), H x P independent accumulators so that the FMA chains
 // over dim overlap, and each key vector loaded once for all H heads.
-template <int H, int P>
-inline void tile_scores(const float* q, const float* tile, float* scores, int64_t stride, int64_t dim,
+template <int H, int P, typename T = float>
+inline void tile_scores(const float* q, const T* tile, float* scores, int64_t stride, int64_t dim,
                         int64_t block_size, int64_t p0, float scale) {
   int64_t lanes[P];
   for (int j = 0; j < P; ++j) lanes[j] = std::clamp<int64_t>(block_size - p0 - j * Vec::size(), 0, Vec::size());
@@ -46,7 +66,7 @@ inline void tile_scores(const float* q, const float* tile, float* scores, int64_
   for (int64_t x = 0; x < dim; ++x) {
     Vec keys[P];
 #pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) keys[j] = Vec::loadu(tile + x * block_size + p0 + j * Vec::size(), lanes[j]);
+    for (int j = 0; j < P; ++j) keys[j] = load_float(tile + x * block_size + p0 + j * Vec::size(), lanes[j]);
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h) {
       const Vec query(q[h * dim + x]);
