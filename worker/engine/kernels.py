@@ -5,7 +5,8 @@
 `write_kv` puts new keys and values into it (csrc/write_kv.cpp);
 `pack_linear_weight` / `packed_linear` are a GEMM for pre-packed weights, float32 sums (csrc/linear.cpp),
 the latter also the operator torch.ops.streambatch.packed_linear (with a shape function, so that
-torch.compile traces through it).
+torch.compile traces through it); `rms_norm` and `silu_and_mul` are a decoder layer's small ops in
+one pass each (csrc/layer_ops.cpp, for eager forwards: layer_ops.py).
 
 The build needs a C++ compiler and ninja and takes about two minutes on 2 cores: `make setup`
 runs it (`python -m worker.prepare`), and an engine that finds no build makes one before it
@@ -40,7 +41,8 @@ def kernels_extension() -> Extension:
     if capability != "DEFAULT":
         defines.append(f"-DCPU_CAPABILITY_{capability}")
     csrc = Path(__file__).with_name("csrc")
-    sources = ("bindings.cpp", "paged_decode.cpp", "prefill_attention.cpp", "write_kv.cpp", "linear.cpp")
+    sources = ("bindings.cpp", "paged_decode.cpp", "prefill_attention.cpp", "write_kv.cpp", "linear.cpp",
+               "layer_ops.cpp")
     return Extension(f"streambatch_kernels_{capability.lower()}", tuple(csrc / name for name in sources),
                      headers=(csrc / "attention_tiles.h",),
                      cflags=("-O3", "-march=native", "-fopenmp", *defines), ldflags=("-fopenmp",))
@@ -98,6 +100,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """x [..., in] -> x @ weight.T + bias [..., out] in x's dtype, summed in float32 (of x rounded to
     bfloat16 where the weight was packed in pairs); the weight packed by pack_linear_weight, the bias float32."""
     return torch.ops.streambatch.packed_linear(x, packed, bias, out_features)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's forward for x [..., n] and a weight [n] of x's dtype, in one pass."""
+    return native().rms_norm(x.contiguous(), weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2n], each row [gate | up] -> silu(gate) * up [..., n] in x's dtype, in one pass."""
+    return native().silu_and_mul(x.contiguous())
 
 
 def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from worker.engine import kernels
 from worker.engine.attention import AttentionMetadata, default_backend, run_model
 from worker.engine.block_tables import BlockTables, RowAssigner, TableUpdate
 from worker.engine.compiled import compile_forward
@@ -29,6 +30,7 @@ from worker.engine.config import AttentionBackend, EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.disk_cache import Phase, quiet
 from worker.engine.host_copy import values_to_device
+from worker.engine.layer_ops import use_native_layer_ops
 from worker.engine.linear import fuse_projections, pack_linear_layers, packing_backend, packing_works
 from worker.engine.models import ModelInfo, allocate_kv_cache
 from worker.engine.plan import StepPlan
@@ -87,6 +89,8 @@ class ModelRunner:
         if self.device.type == "cpu" and packing_works(info.dtype) and not (
                 compile and packing_backend(info.dtype) == "onednn"):
             pack_linear_layers(model)
+        if self.device.type == "cpu" and not compile and kernels.native() is not None:
+            use_native_layer_ops(model)  # compiled, inductor fuses these ops itself
         self.forward = compile_forward(model) if compile else functools.partial(run_model, model)
         if compile:
             on_phase("compiling the model forward (minutes on a cold compile cache)")

@@ -11,6 +11,8 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
 bool bf16_dot_products();
 torch::Tensor pack_linear_weight(torch::Tensor w, bool pairs);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
@@ -18,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv);
   m.def("bf16_dot_products", &bf16_dot_products);
   m.def("pack_linear_weight", &pack_linear_weight);
+  m.def("rms_norm", &rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
 }
 
 TORCH_LIBRARY(streambatch, m) {
