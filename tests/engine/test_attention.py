@@ -337,13 +337,15 @@ def test_written_kv_reads_back_in_position_order(native):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_native_prefill_attention_matches_masked_sdpa(block_size, dtype):
+@pytest.mark.parametrize("dim", [64, 96])
+def test_native_prefill_attention_matches_masked_sdpa(block_size, dtype, dim):
     """csrc/prefill_attention.cpp against SDPA with an explicit mask over the gathered context, for
     chunks fresh and after a cached prefix, shorter and longer than its tiles (16 queries, 32-64
-    keys), with and without a sliding window, 9 query heads on 3 KV heads (SmolLM2's)."""
+    keys), with and without a sliding window, 9 query heads on 3 KV heads (SmolLM2's); bf16 on a
+    CPU with AMX goes through its tiles (head_dim 96: a last pass of two 16-column tiles)."""
     if kernels.native() is None:
         pytest.fail("the native kernels did not build")
-    heads, kv_heads, dim, num_blocks = 9, 3, 64, 64
+    heads, kv_heads, num_blocks = 9, 3, 64
     generator = torch.Generator().manual_seed(block_size)
     k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for shape in
                         attention.kv_cache_shapes(num_blocks, block_size, kv_heads, dim, "native"))

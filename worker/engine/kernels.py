@@ -44,7 +44,7 @@ def kernels_extension() -> Extension:
     sources = ("bindings.cpp", "paged_decode.cpp", "prefill_attention.cpp", "write_kv.cpp", "linear.cpp",
                "layer_ops.cpp")
     return Extension(f"streambatch_kernels_{capability.lower()}", tuple(csrc / name for name in sources),
-                     headers=(csrc / "attention_tiles.h",),
+                     headers=(csrc / "attention_tiles.h", csrc / "amx_tiles.h"),
                      cflags=("-O3", "-march=native", "-fopenmp", *defines), ldflags=("-fopenmp",))
 
 

@@ -1,5 +1,6 @@
 // What both attention kernels (paged_decode.cpp, prefill_attention.cpp) do tile by tile: read
-// cache values as float32, and score query rows against a tile of keys.
+// cache values as float32 (and write float32 back as the cache's type), and score query rows
+// against a tile of keys.
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -26,6 +27,21 @@ inline void to_float(const T* src, float* dst, int64_t n) {
       high.store(dst + i + Vec::size());
     }
     for (; i < n; ++i) dst[i] = float(src[i]);
+  }
+}
+
+// dst[0 .. n) = T(src[0 .. n)), rounded to nearest even as torch's conversions do
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy_n(src, n, dst);
+  } else if constexpr (c10::is_reduced_floating_point_v<T>) {
+    int64_t i = 0;
+    for (; i + 2 * Vec::size() <= n; i += 2 * Vec::size())
+      at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i + Vec::size())).store(dst + i);
+    for (; i < n; ++i) dst[i] = T(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
   }
 }
 

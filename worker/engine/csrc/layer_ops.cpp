@@ -20,21 +20,6 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 8;
 
-// dst[0 .. n) = T(src[0 .. n)), rounded to nearest even as torch's conversions do
-template <typename T>
-void from_float(const float* src, T* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::copy_n(src, n, dst);
-  } else if constexpr (c10::is_reduced_floating_point_v<T>) {
-    int64_t i = 0;
-    for (; i + 2 * Vec::size() <= n; i += 2 * Vec::size())
-      at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i + Vec::size())).store(dst + i);
-    for (; i < n; ++i) dst[i] = T(src[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
-  }
-}
-
 // f[0 .. n) = float(T(f)): the rounding of an intermediate that the module's op keeps in T
 template <typename T>
 void round_to(float* f, T* scratch, int64_t n) {

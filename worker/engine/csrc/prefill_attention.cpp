@@ -14,8 +14,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "attention_tiles.h"
 
 namespace {
@@ -97,26 +99,84 @@ inline void online_softmax(float* s, int64_t lo, int64_t hi, float& top, float& 
   total += sum;
 }
 
+#ifdef STREAMBATCH_AMX
+static_assert(KT == 64, "amx_tiles.h takes key tiles of 64");
+
+// The work item's buffers in bf16 for amx_tiles.h, and the tile's gather into them.
+struct AmxTile {
+  std::vector<amx::bf16> query, keys, values, p;
+  std::vector<float> out;
+  AmxTile(int64_t rows, int64_t dim) : query(rows * dim), keys(dim * KT), values(KT * dim), p(rows * KT), out(16 * dim) {}
+
+  // keys [dim / 2][KT][2] from key tiles [dim, block_size] (n positions from `offset`, at column j)
+  void gather_keys(const amx::bf16* key_tile, int64_t block_size, int64_t offset, int64_t n, int64_t j, int64_t dim) {
+    for (int64_t x = 0; x < dim; x += 2)
+      for (int64_t i = 0; i < n; i += 16)
+        amx::interleave(key_tile + x * block_size + offset + i, key_tile + (x + 1) * block_size + offset + i,
+                        keys.data() + (x / 2 * KT + j + i) * 2, std::min<int64_t>(16, n - i));
+  }
+  // values [KT / 2][dim][2]: rows[j] is position k0 + j's value row (nullptr past the tile's keys: zeros)
+  void gather_values(const amx::bf16* const* rows, int64_t dim) {
+    for (int64_t j = 0; j < KT; j += 2)
+      for (int64_t x = 0; x < dim; x += 16) {
+        if (rows[j] == nullptr) {
+          std::fill_n(values.data() + (j / 2 * dim + x) * 2, 32, amx::bf16(0.f));
+          continue;
+        }
+        amx::interleave(rows[j] + x, rows[j + 1] ? rows[j + 1] + x : nullptr, values.data() + (j / 2 * dim + x) * 2, 16);
+      }
+  }
+};
+#endif
+
 // q and out [tokens, heads, dim]; caches per block and KV head: keys as a [dim, block_size] tile,
 // values [block_size, dim]; blocks: the sequence's block table; computed: its positions before the chunk.
+// bf16 on a CPU with AMX (and head_dim a multiple of 32): both products on AMX tiles, the
+// probabilities rounded to bf16 for the second (as flash attention does on GPUs); else float32 FMAs.
 template <typename T>
 void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, T* out, int64_t tokens,
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t computed, float scale,
              int64_t window) {
   const int64_t group = heads / kv_heads, tiles = (tokens + QT - 1) / QT, tile = dim * block_size;
   const int64_t run = kv_heads * tile, most_rows = QT * group;
+#ifdef STREAMBATCH_AMX
+  constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
+  const bool on_amx = bf16 && dim % 32 == 0 && amx::permitted();
+#else
+  constexpr bool on_amx = false;
+#endif
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> query(most_rows * dim), acc(most_rows * dim), s(most_rows * KT), keys(dim * KT),
         values(KT * dim), top(most_rows), total(most_rows);
+#ifdef STREAMBATCH_AMX
+    std::optional<AmxTile> amx_tile;
+    std::vector<const amx::bf16*> value_rows(KT);
+    if constexpr (bf16) {
+      if (on_amx) {
+        amx_tile.emplace(most_rows, dim);
+        amx::configure();
+      }
+    }
+#endif
     // One work item per query tile and KV head, the latest tiles (the most keys) first, handed
     // out one at a time: the threads end together although the items' work differs.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < tiles * kv_heads; ++item) {
       const int64_t t0 = (tiles - 1 - item / kv_heads) * QT, kv = item % kv_heads;
       const int64_t rows = std::min(QT, tokens - t0) * group;  // row r: position computed + t0 + r / group
-      for (int64_t r = 0; r < rows; ++r)
-        to_float(q + ((t0 + r / group) * heads + kv * group + r % group) * dim, query.data() + r * dim, dim);
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* row = q + ((t0 + r / group) * heads + kv * group + r % group) * dim;
+#ifdef STREAMBATCH_AMX
+        if constexpr (bf16) {
+          if (on_amx) {
+            std::copy_n(row, dim, amx_tile->query.data() + r * dim);
+            continue;
+          }
+        }
+#endif
+        to_float(row, query.data() + r * dim, dim);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(top.begin(), top.end(), kMasked);
       std::fill(total.begin(), total.end(), 0.f);
@@ -128,19 +188,56 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* bloc
           const int64_t block = blocks[p / block_size], offset = p % block_size;
           const int64_t n = std::min(block_size - offset, k0 + keys_in_tile - p);
           const T* key_tile = k_cache + block * run + kv * tile;
+          const T* value_rows_of_block = v_cache + block * run + kv * tile + offset * dim;
+#ifdef STREAMBATCH_AMX
+          if constexpr (bf16) {
+            if (on_amx) {
+              amx_tile->gather_keys(key_tile, block_size, offset, n, p - k0, dim);
+              for (int64_t j = 0; j < n; ++j) value_rows[p - k0 + j] = value_rows_of_block + j * dim;
+              p += n;
+              continue;
+            }
+          }
+#endif
           for (int64_t x = 0; x < dim; ++x) to_float(key_tile + x * block_size + offset, keys.data() + x * KT + p - k0, n);
-          to_float(v_cache + block * run + kv * tile + offset * dim, values.data() + (p - k0) * dim, n * dim);
+          to_float(value_rows_of_block, values.data() + (p - k0) * dim, n * dim);
           p += n;
         }
-        for (int64_t r0 = 0; r0 < rows; r0 += RB)
-          scores_rows(std::min<int64_t>(RB, rows - r0), query.data() + r0 * dim, dim, keys.data(), s.data() + r0 * KT,
-                      scale);
+#ifdef STREAMBATCH_AMX
+        if constexpr (bf16) {
+          if (on_amx) {
+            std::fill(value_rows.begin() + keys_in_tile, value_rows.end(), nullptr);
+            amx_tile->gather_values(value_rows.data(), dim);
+            for (int64_t r0 = 0; r0 < rows; r0 += 16)
+              amx::scores(amx_tile->query.data() + r0 * dim, amx_tile->keys.data(), s.data() + r0 * KT, dim);
+            at::vec::map([scale](Vec x) { return x * Vec(scale); }, s.data(), s.data(), rows * KT);
+          }
+        }
+#endif
+        if (!on_amx)
+          for (int64_t r0 = 0; r0 < rows; r0 += RB)
+            scores_rows(std::min<int64_t>(RB, rows - r0), query.data() + r0 * dim, dim, keys.data(), s.data() + r0 * KT,
+                        scale);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t position = first + r / group;
           const int64_t hi = std::clamp<int64_t>(position + 1 - k0, 0, keys_in_tile);
           const int64_t lo = window > 0 ? std::clamp<int64_t>(position - window + 1 - k0, 0, hi) : 0;
           online_softmax(s.data() + r * KT, lo, hi, top[r], total[r], acc.data() + r * dim, dim);
         }
+#ifdef STREAMBATCH_AMX
+        if constexpr (bf16) {
+          if (on_amx) {
+            from_float(s.data(), amx_tile->p.data(), rows * KT);
+            for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+              amx::values(amx_tile->p.data() + r0 * KT, amx_tile->values.data(), amx_tile->out.data(), dim);
+              const int64_t n = std::min<int64_t>(16, rows - r0) * dim;
+              at::vec::map2([](Vec a, Vec b) { return a + b; }, acc.data() + r0 * dim, acc.data() + r0 * dim,
+                            amx_tile->out.data(), n);
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t x0 = 0; x0 < dim; x0 += KV4 * V)
           for (int64_t r0 = 0; r0 < rows; r0 += RB)
             values_rows(std::min<int64_t>(RB, rows - r0), s.data() + r0 * KT, values.data(), keys_in_tile, dim, x0,
@@ -151,6 +248,9 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* bloc
         for (int64_t x = 0; x < dim; ++x) row[x] = T(acc[r * dim + x] / total[r]);
       }
     }
+#ifdef STREAMBATCH_AMX
+    if (on_amx) _tile_release();
+#endif
   }
 }
 
