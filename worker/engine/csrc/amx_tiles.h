@@ -49,14 +49,19 @@ inline void interleave(const bf16* a, const bf16* b, bf16* dst, int64_t n) {
   _mm512_mask_storeu_epi16(dst, pairs, _mm512_permutex2var_epi16(low, order, high));
 }
 
-// s[16, 64] (row stride 64) = q[16, dim] (row stride dim) . keys, for 64 keys as pairs rows
-// [dim / 2][64][2]; dim a multiple of 32.
-inline void scores(const bf16* q, const bf16* keys, float* s, int64_t dim) {
-  constexpr int64_t K = 64, row = K * 2 * sizeof(bf16);
+// Tiles 0-3 hold a call's float32 sums.
+inline void zero_sums() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+// s[16, 64] (row stride 64) = q[16, dim] (row stride dim) . keys, for 64 keys as pairs rows
+// [dim / 2][64][2]; dim a multiple of 32.
+inline void scores(const bf16* q, const bf16* keys, float* s, int64_t dim) {
+  constexpr int64_t K = 64, row = K * 2 * sizeof(bf16);
+  zero_sums();
   for (int64_t d = 0; d < dim; d += 32) {
     _tile_loadd(4, q + d, dim * sizeof(bf16));
     const bf16* b = keys + d / 2 * K * 2;
@@ -82,10 +87,7 @@ inline void values(const bf16* p, const bf16* values, float* out, int64_t dim) {
   const int64_t row = dim * 2 * sizeof(bf16);
   for (int64_t x0 = 0; x0 < dim; x0 += 64) {
     const bool four = dim - x0 >= 64;  // else two tiles of 16 columns
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sums();
     for (int64_t k = 0; k < K; k += 32) {
       _tile_loadd(4, p + k, K * sizeof(bf16));
       const bf16* b = values + (k / 2 * dim + x0) * 2;
