@@ -80,26 +80,33 @@ inline void scores(const bf16* q, const bf16* keys, float* s, int64_t dim) {
   _tile_stored(3, s + 48, K * sizeof(float));
 }
 
-// out[16, dim] (row stride dim) = p[16, 64] (row stride 64) . values, for 64 keys' values as
-// pairs rows [32][dim][2]; dim a multiple of 32.
-inline void values(const bf16* p, const bf16* values, float* out, int64_t dim) {
+// out[16, dim] (row stride dim) = p[16, 64] . values, for 64 keys' values as pairs rows
+// [32][dim][2]; dim a multiple of 32. p comes as two bf16 parts, high + low (p's float32 value to
+// 16 bits of mantissa): probabilities rounded once to bf16 took the logits twice as far from float32's
+// as stock SDPA's bf16 (tests/engine/test_models.py).
+inline void values(const bf16* high, const bf16* low, const bf16* values, float* out, int64_t dim) {
   constexpr int64_t K = 64;
   const int64_t row = dim * 2 * sizeof(bf16);
   for (int64_t x0 = 0; x0 < dim; x0 += 64) {
     const bool four = dim - x0 >= 64;  // else two tiles of 16 columns
     zero_sums();
     for (int64_t k = 0; k < K; k += 32) {
-      _tile_loadd(4, p + k, K * sizeof(bf16));
+      _tile_loadd(4, high + k, K * sizeof(bf16));
+      _tile_loadd(5, low + k, K * sizeof(bf16));
       const bf16* b = values + (k / 2 * dim + x0) * 2;
-      _tile_loadd(5, b, row);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b + 32, row);
-      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(6, b, row);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_loadd(7, b + 32, row);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(1, 5, 7);
       if (four) {
-        _tile_loadd(7, b + 64, row);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, b + 96, row);
-        _tile_dpbf16ps(3, 4, 5);
+        _tile_loadd(6, b + 64, row);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(7, b + 96, row);
+        _tile_dpbf16ps(3, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
       }
     }
     _tile_stored(0, out + x0, dim * sizeof(float));

@@ -102,29 +102,55 @@ inline void online_softmax(float* s, int64_t lo, int64_t hi, float& top, float& 
 #ifdef STREAMBATCH_AMX
 static_assert(KT == 64, "amx_tiles.h takes key tiles of 64");
 
-// The work item's buffers in bf16 for amx_tiles.h, and the tile's gather into them.
-struct AmxTile {
-  std::vector<amx::bf16> query, keys, values, p;
-  std::vector<float> out;
-  AmxTile(int64_t rows, int64_t dim) : query(rows * dim), keys(dim * KT), values(KT * dim), p(rows * KT), out(16 * dim) {}
-
-  // keys [dim / 2][KT][2] from key tiles [dim, block_size] (n positions from `offset`, at column j)
-  void gather_keys(const amx::bf16* key_tile, int64_t block_size, int64_t offset, int64_t n, int64_t j, int64_t dim) {
-    for (int64_t x = 0; x < dim; x += 2)
-      for (int64_t i = 0; i < n; i += 16)
-        amx::interleave(key_tile + x * block_size + offset + i, key_tile + (x + 1) * block_size + offset + i,
-                        keys.data() + (x / 2 * KT + j + i) * 2, std::min<int64_t>(16, n - i));
+// f[0 .. n) as high + low, each bf16: high = bf16(f), low = bf16(f - high)
+inline void split(const float* f, amx::bf16* high, amx::bf16* low, int64_t n) {
+  using Narrow = at::vec::Vectorized<amx::bf16>;
+  for (int64_t i = 0; i < n; i += 2 * V) {  // n: rows times KT, a multiple of 2 * V
+    const Vec a = Vec::loadu(f + i), b = Vec::loadu(f + i + V);
+    const Narrow top = at::vec::convert_from_float<amx::bf16>(a, b);
+    top.store(high + i);
+    const auto [top_a, top_b] = at::vec::convert_to_float<amx::bf16>(top);
+    at::vec::convert_from_float<amx::bf16>(a - top_a, b - top_b).store(low + i);
   }
-  // values [KT / 2][dim][2]: rows[j] is position k0 + j's value row (nullptr past the tile's keys: zeros)
-  void gather_values(const amx::bf16* const* rows, int64_t dim) {
-    for (int64_t j = 0; j < KT; j += 2)
-      for (int64_t x = 0; x < dim; x += 16) {
-        if (rows[j] == nullptr) {
-          std::fill_n(values.data() + (j / 2 * dim + x) * 2, 32, amx::bf16(0.f));
-          continue;
-        }
-        amx::interleave(rows[j] + x, rows[j + 1] ? rows[j + 1] + x : nullptr, values.data() + (j / 2 * dim + x) * 2, 16);
-      }
+}
+
+// The keys and values of every key tile that the chunk sees, per KV head, as amx_tiles.h's pairs
+// rows: gathered once per call, since each query tile reads every key tile up to its own (a
+// gather per query tile and key tile cost a quarter of the kernel's time).
+struct PairedContext {
+  int64_t first_tile, tiles, dim;
+  std::vector<amx::bf16> keys, values;  // [kv head][tile]: keys [dim / 2][KT][2], values [KT / 2][dim][2]
+
+  PairedContext(int64_t first_key, int64_t end, int64_t kv_heads, int64_t dim)
+      : first_tile(first_key / KT), tiles((end + KT - 1) / KT - first_key / KT), dim(dim),
+        keys(kv_heads * tiles * dim * KT), values(kv_heads * tiles * dim * KT) {}
+
+  const amx::bf16* keys_at(int64_t kv, int64_t k0) const { return keys.data() + offset(kv, k0); }
+  const amx::bf16* values_at(int64_t kv, int64_t k0) const { return values.data() + offset(kv, k0); }
+  int64_t offset(int64_t kv, int64_t k0) const { return (kv * tiles + k0 / KT - first_tile) * dim * KT; }
+
+  // Key tile `index` of KV head kv, positions before `end`, from caches per block and KV head (keys
+  // [dim, block_size], values [block_size, dim]); the pairs past `end` stay zero.
+  void gather(int64_t kv, int64_t index, const amx::bf16* k_cache, const amx::bf16* v_cache, const int64_t* blocks,
+              int64_t block_size, int64_t kv_heads, int64_t end) {
+    const int64_t k0 = (first_tile + index) * KT, tile = dim * block_size, run = kv_heads * tile;
+    amx::bf16* paired_keys = keys.data() + offset(kv, k0);
+    amx::bf16* paired_values = values.data() + offset(kv, k0);
+    for (int64_t p = k0; p < std::min(k0 + KT, end);) {  // block by block
+      const int64_t block = blocks[p / block_size], offset = p % block_size, n = std::min(block_size - offset, end - p);
+      const amx::bf16* key_tile = k_cache + block * run + kv * tile;
+      for (int64_t x = 0; x < dim; x += 2)
+        for (int64_t i = 0; i < n; i += 16)
+          amx::interleave(key_tile + x * block_size + offset + i, key_tile + (x + 1) * block_size + offset + i,
+                          paired_keys + (x / 2 * KT + p - k0 + i) * 2, std::min<int64_t>(16, n - i));
+      // block sizes are even and tiles start at multiples of KT: a pair of positions shares a block
+      const amx::bf16* value_rows = v_cache + block * run + kv * tile + offset * dim;
+      for (int64_t j = 0; j < n; j += 2)
+        for (int64_t x = 0; x < dim; x += 16)
+          amx::interleave(value_rows + j * dim + x, j + 1 < n ? value_rows + (j + 1) * dim + x : nullptr,
+                          paired_values + ((p - k0 + j) / 2 * dim + x) * 2, 16);
+      p += n;
+    }
   }
 };
 #endif
@@ -132,7 +158,7 @@ struct AmxTile {
 // q and out [tokens, heads, dim]; caches per block and KV head: keys as a [dim, block_size] tile,
 // values [block_size, dim]; blocks: the sequence's block table; computed: its positions before the chunk.
 // bf16 on a CPU with AMX (and head_dim a multiple of 32): both products on AMX tiles, the
-// probabilities rounded to bf16 for the second (as flash attention does on GPUs); else float32 FMAs.
+// probabilities as two bf16 parts for the second; else float32 FMAs.
 template <typename T>
 void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, T* out, int64_t tokens,
              int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t computed, float scale,
@@ -141,7 +167,9 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* bloc
   const int64_t run = kv_heads * tile, most_rows = QT * group;
 #ifdef STREAMBATCH_AMX
   constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
-  const bool on_amx = bf16 && dim % 32 == 0 && amx::permitted();
+  const bool on_amx = bf16 && dim % 32 == 0 && block_size % 2 == 0 && amx::permitted();
+  std::optional<PairedContext> context;
+  if (on_amx) context.emplace(window > 0 ? std::max<int64_t>(0, computed - window + 1) : 0, computed + tokens, kv_heads, dim);
 #else
   constexpr bool on_amx = false;
 #endif
@@ -150,12 +178,17 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* bloc
     std::vector<float> query(most_rows * dim), acc(most_rows * dim), s(most_rows * KT), keys(dim * KT),
         values(KT * dim), top(most_rows), total(most_rows);
 #ifdef STREAMBATCH_AMX
-    std::optional<AmxTile> amx_tile;
-    std::vector<const amx::bf16*> value_rows(KT);
+    std::vector<amx::bf16> query_bf16, high, low;  // [most_rows, dim]; the probabilities' parts [most_rows, KT]
+    std::vector<float> products;  // [16, dim]
     if constexpr (bf16) {
       if (on_amx) {
-        amx_tile.emplace(most_rows, dim);
+        query_bf16.resize(most_rows * dim), high.resize(most_rows * KT), low.resize(most_rows * KT);
+        products.resize(16 * dim);
         amx::configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < kv_heads * context->tiles; ++item)
+          context->gather(item % kv_heads, item / kv_heads, k_cache, v_cache, blocks, block_size, kv_heads,
+                          computed + tokens);
       }
     }
 #endif
@@ -170,7 +203,7 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* bloc
 #ifdef STREAMBATCH_AMX
         if constexpr (bf16) {
           if (on_amx) {
-            std::copy_n(row, dim, amx_tile->query.data() + r * dim);
+            std::copy_n(row, dim, query_bf16.data() + r * dim);
             continue;
           }
         }
@@ -184,32 +217,19 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* bloc
       const int64_t seen = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;  // the first key any row sees
       for (int64_t k0 = seen - seen % KT; k0 <= last; k0 += KT) {
         const int64_t keys_in_tile = std::min(KT, last + 1 - k0);
-        for (int64_t p = k0; p < k0 + keys_in_tile;) {  // the tile's keys and values, block by block
+        for (int64_t p = k0; !on_amx && p < k0 + keys_in_tile;) {  // the tile's keys and values, block by block
           const int64_t block = blocks[p / block_size], offset = p % block_size;
           const int64_t n = std::min(block_size - offset, k0 + keys_in_tile - p);
           const T* key_tile = k_cache + block * run + kv * tile;
-          const T* value_rows_of_block = v_cache + block * run + kv * tile + offset * dim;
-#ifdef STREAMBATCH_AMX
-          if constexpr (bf16) {
-            if (on_amx) {
-              amx_tile->gather_keys(key_tile, block_size, offset, n, p - k0, dim);
-              for (int64_t j = 0; j < n; ++j) value_rows[p - k0 + j] = value_rows_of_block + j * dim;
-              p += n;
-              continue;
-            }
-          }
-#endif
           for (int64_t x = 0; x < dim; ++x) to_float(key_tile + x * block_size + offset, keys.data() + x * KT + p - k0, n);
-          to_float(value_rows_of_block, values.data() + (p - k0) * dim, n * dim);
+          to_float(v_cache + block * run + kv * tile + offset * dim, values.data() + (p - k0) * dim, n * dim);
           p += n;
         }
 #ifdef STREAMBATCH_AMX
         if constexpr (bf16) {
           if (on_amx) {
-            std::fill(value_rows.begin() + keys_in_tile, value_rows.end(), nullptr);
-            amx_tile->gather_values(value_rows.data(), dim);
             for (int64_t r0 = 0; r0 < rows; r0 += 16)
-              amx::scores(amx_tile->query.data() + r0 * dim, amx_tile->keys.data(), s.data() + r0 * KT, dim);
+              amx::scores(query_bf16.data() + r0 * dim, context->keys_at(kv, k0), s.data() + r0 * KT, dim);
             at::vec::map([scale](Vec x) { return x * Vec(scale); }, s.data(), s.data(), rows * KT);
           }
         }
@@ -227,12 +247,13 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* bloc
 #ifdef STREAMBATCH_AMX
         if constexpr (bf16) {
           if (on_amx) {
-            from_float(s.data(), amx_tile->p.data(), rows * KT);
+            split(s.data(), high.data(), low.data(), rows * KT);
             for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-              amx::values(amx_tile->p.data() + r0 * KT, amx_tile->values.data(), amx_tile->out.data(), dim);
+              amx::values(high.data() + r0 * KT, low.data() + r0 * KT, context->values_at(kv, k0), products.data(),
+                          dim);
               const int64_t n = std::min<int64_t>(16, rows - r0) * dim;
               at::vec::map2([](Vec a, Vec b) { return a + b; }, acc.data() + r0 * dim, acc.data() + r0 * dim,
-                            amx_tile->out.data(), n);
+                            products.data(), n);
             }
             continue;
           }
