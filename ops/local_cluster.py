@@ -34,8 +34,8 @@ class LocalCluster:
 
     NODE_TIMEOUT_MS = 1000  # how soon a dead master's replica takes over (plus an election)
 
-    def __init__(self, workdir: Path, options: tuple[str, ...] = ()) -> None:
-        self.workdir, self.options = workdir, options
+    def __init__(self, workdir: Path, options: tuple[str, ...] = (), node_timeout_ms: int = NODE_TIMEOUT_MS) -> None:
+        self.workdir, self.options, self.node_timeout_ms = workdir, options, node_timeout_ms
         self.binary = shutil.which("redis-server")
         if self.binary is None or shutil.which("redis-cli") is None:
             raise MissingRedis("redis-server is not installed: run `make setup` (Debian package redis-server)")
@@ -59,7 +59,7 @@ class LocalCluster:
         self.processes[port] = subprocess.Popen(
             [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-config-file", str(directory / "nodes.conf"), "--cluster-node-timeout",
-             str(self.NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no", "--dir", str(directory),
+             str(self.node_timeout_ms), "--save", "", "--appendonly", "no", "--dir", str(directory),
              "--repl-diskless-sync-delay", "0", *self.options],  # a replica syncs at once, not 5 s later
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -26,7 +26,7 @@ from producer.connect import REDIS_FAILURES, UNREACHABLE
 from producer.core import Call
 
 MESSAGE_TYPES = ("message", "subscribe", "smessage", "ssubscribe", "unsubscribe", "sunsubscribe")
-READ_WAIT_S = 1.0  # the reader's wait for a message: how often an idle connection is health-checked
+READ_WAIT_S = 1.0  # one node's reader's wait for a message: how often an idle connection is health-checked
 RETRY_S, MAX_RETRY_S = 0.1, 2.0  # the reader's wait after a lost connection, doubling while it stays lost
 
 
@@ -140,8 +140,15 @@ class SharedSubscription:
     async def _next(self, node: str | None) -> dict | None:
         if node is None:
             return await self.pubsub.get_message(timeout=READ_WAIT_S)
-        return await self.pubsub.get_sharded_message(timeout=READ_WAIT_S, target_node=self.client.get_node(
-            node_name=node))
+        pubsub = self.pubsub.node_pubsub_mapping.get(node)
+        if pubsub is None or pubsub.connection is None:  # its first SSUBSCRIBE under way: a read would return at once
+            await asyncio.sleep(RETRY_S)
+            return None
+        # A node's reader blocks until a message comes: redis-py holds the node's I/O lock through a
+        # read with a timeout, so every (un)subscribe on the node would wait that read out; a blocking
+        # read takes no lock. Each of our SSUBSCRIBEs and SUNSUBSCRIBEs is confirmed on it, a moved
+        # slot's channels are unsubscribed by the server, a lost connection raises: all wake it.
+        return await self.pubsub.get_sharded_message(timeout=None, target_node=self.client.get_node(node_name=node))
 
     async def _read(self, node: str | None) -> None:
         failures = 0

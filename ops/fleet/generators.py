@@ -9,9 +9,12 @@ never imports it.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import time
 from pathlib import Path
 
 from ops.demo import DemoError, last_lines
+from ops.fleet.child_log import STACKS_SIGNAL
 from ops.fleet.load import drive
 from ops.fleet.nodes import Topology
 from ops.fleet.scenario import Scenario
@@ -44,7 +47,11 @@ class Child:
 
     def reply(self, expect: str, timeout: float):
         if not self.control.poll(timeout):
-            raise DemoError(f"{self.log.stem} did not answer within {timeout:.0f} s; its log:\n{last_lines(self.log)}")
+            if self.process.is_alive():  # where it is stuck: its threads' stacks (child_log.py)
+                os.kill(self.process.pid, STACKS_SIGNAL)
+                time.sleep(0.5)
+            raise DemoError(f"{self.log.stem} did not answer within {timeout:.0f} s; its log:\n"
+                            f"{last_lines(self.log, 60)}")
         try:
             kind, value = self.control.recv()
         except EOFError:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from producer import AsyncProducer, DoneEvent, ErrorEvent, ProducerError, TokenEvent
 
+from ops.fleet.child_log import log_to
 from ops.fleet.scenario import Scenario
 from ops.fleet.windows import LoadWindow
 
@@ -35,7 +35,7 @@ DROP_WAIT_S = 5.0  # for the slots to cancel their requests, at their next event
 
 
 def drive(redis_url: str, cluster: bool, scenario: Scenario, seed: int, log: Path, control: Connection) -> None:
-    sys.stdout = sys.stderr = log.open("w", buffering=1)
+    log_to(log)
     asyncio.run(Load(redis_url, cluster, scenario, seed, control).run())
 
 
@@ -47,6 +47,7 @@ class Load:
         self.target = 0
         self.slots: list[asyncio.Task] = []  # the closed loop's
         self.submitter: asyncio.Task | None = None  # of unfollowed requests
+        self.submitting = False  # while it should go on
         self.unfollowed: list[str] = []  # their ids
         self.window = LoadWindow(0.0, 0, 0, 0)
         self.cpu = time.process_time()
@@ -64,6 +65,7 @@ class Load:
                         self.resize(count)
                     case ("unfollowed", rate):
                         await self.drop_slots()
+                        self.submitting = True
                         self.submitter = asyncio.ensure_future(self.submit_unfollowed(rate))
                     case "window":
                         now = time.process_time()
@@ -118,7 +120,7 @@ class Load:
     async def submit_unfollowed(self, rate: float) -> None:
         loop = asyncio.get_running_loop()
         due = loop.time()
-        while True:
+        while self.submitting:
             prompt, params = self.scenario.request(self.rng)
             try:
                 self.unfollowed.append((await self.producer.submit(prompt_ids=prompt, params=params)).id)
@@ -129,10 +131,16 @@ class Load:
 
     async def stop_submitter(self) -> None:
         """No more unfollowed requests, and those submitted are cancelled (the finished ones too,
-        which changes nothing): the closed loop that follows finds the workers holding its own."""
+        which changes nothing): the closed loop that follows finds the workers holding its own.
+        The submitter also stops at its next turn by itself, should the cancel be lost in a submit;
+        one still running after DROP_WAIT_S is left behind, its stack in the log."""
         if self.submitter is not None:
+            self.submitting = False
             self.submitter.cancel()
-            await asyncio.gather(self.submitter, return_exceptions=True)
+            _, running = await asyncio.wait({self.submitter}, timeout=DROP_WAIT_S)
+            for task in running:
+                print(f"the unfollowed requests' submitter did not stop within {DROP_WAIT_S:.0f} s:", flush=True)
+                task.print_stack()
             self.submitter = None
         for request_id in self.unfollowed:
             with contextlib.suppress(ProducerError):

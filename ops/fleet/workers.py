@@ -24,6 +24,7 @@ from producer.protocol import Keys
 from worker.logs import configure_logging
 from worker.service import Worker
 
+from ops.fleet.child_log import log_to
 from ops.fleet.engine import AdmitTiming, SyntheticEngine
 from ops.fleet.scenario import Scenario
 from ops.fleet.windows import HostWindow
@@ -35,7 +36,7 @@ def serve(redis_url: str, cluster: bool, names: list[str], scenario: Scenario, l
           control: Connection) -> None:
     """The process's body: start the workers, answer "ready" (or the error that stopped them), then
     the parent's commands."""
-    sys.stdout = sys.stderr = log.open("w", buffering=1)
+    log_to(log)
     configure_logging("warning")
     sys.setswitchinterval(GIL_SWITCH_S)
     try:

@@ -1,12 +1,15 @@
-"""An AsyncProducer's streams share one subscribed connection, and their replay reads go out
-together (producer/multiplex.py): many streams at once, each still exactly once and in order,
-through dropped connections."""
+"""An AsyncProducer's streams share one subscribed connection (one per node on a cluster), and
+their replay reads go out together (producer/multiplex.py): many streams at once, each still
+exactly once and in order, through dropped connections."""
 
 import asyncio
+import time
 
 import redis
 
 from producer import AsyncProducer
+from producer.connect import connect_async
+from producer.multiplex import READ_WAIT_S, SharedSubscription
 from producer.protocol import Keys, encode
 from tests.producer.fake_worker import FakeWorker, done, token
 
@@ -107,3 +110,40 @@ def test_two_streams_of_one_request_each_get_a_confirmation_and_every_event(redi
             return await asyncio.gather(first, second)
 
     assert asyncio.run(scenario()) == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_on_a_cluster_a_subscription_is_confirmed_while_its_nodes_reader_waits(cluster_url):
+    """A channel on every master keeps each node's reader waiting for a message; streams then come
+    and go one after another beside them (a gateway's steady state). Each must be confirmed at once,
+    not after the waiting read gives up (redis-py locks a node's connection through a read with a
+    timeout: one second a subscription, for every stream that starts or ends)."""
+    cycles = 30
+
+    async def scenario() -> float:
+        client = connect_async(cluster_url, cluster=True, health_checks=False)
+        shared = SharedSubscription(client, sharded=True)
+        try:
+            waiting = [shared.listener() for _ in range(12)]  # 12 hash tags: every master holds some
+            for index, listener in enumerate(waiting):
+                await _confirmed(listener, f"waiting-{{{index}}}")
+            assert len(shared.readers) == 3
+            started = time.monotonic()
+            for index in range(cycles):
+                coming = shared.listener()
+                await _confirmed(coming, f"coming-{{{index}}}")
+                await coming.aclose()
+            return time.monotonic() - started
+        finally:
+            await shared.aclose()
+            await client.aclose()
+
+    took = asyncio.run(scenario())
+    assert took < cycles * READ_WAIT_S / 4, f"{cycles} subscriptions took {took:.1f} s"
+
+
+async def _confirmed(listener, channel: str) -> None:
+    await listener.subscribe(channel)
+    while (message := await listener.get_message(timeout=10)) is not None:
+        if message["type"] == "ssubscribe":
+            return
+    raise AssertionError(f"no confirmation of {channel} within 10 s")

@@ -182,7 +182,11 @@ def rq_worker(redis_url, tmp_path, launch):
 
 
 def finished(process: subprocess.Popen, log: Path) -> None:
-    assert process.wait(timeout=60) == 0, log.read_text()
+    try:
+        status = process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the rq worker still runs after 60 s; its log:\n{log.read_text()}") from None
+    assert status == 0, log.read_text()
 
 
 def test_stopping_a_job_cancels_its_requests(queue, client, rq_worker, tmp_path):
