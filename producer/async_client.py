@@ -86,7 +86,7 @@ class AsyncProducer(ProducerShell):
         if isinstance(operation, Call):
             return await self._batcher.execute(operation)
         if isinstance(operation, Subscribe):
-            return await pubsub.subscribe(operation.channel)
+            return await pubsub.subscribe(operation.channel, operation.fresh)
         if isinstance(operation, Pause):
             return await asyncio.sleep(operation.seconds)
         return await pubsub.get_message(ignore_subscribe_messages=not operation.subscribe_messages,

@@ -75,6 +75,10 @@ class Producer(ProducerShell):
             replies = queued(self.redis, operation).execute(raise_on_error=operation.raise_on_error)
             return reachable(replies[:len(operation.commands)])
         if isinstance(operation, Subscribe):
+            if operation.fresh and self.cluster:  # redis-py connects again to send the SUBSCRIBE
+                pubsub.disconnect()
+            elif operation.fresh and pubsub.connection is not None:
+                pubsub.connection.disconnect()
             return (pubsub.ssubscribe if self.cluster else pubsub.subscribe)(operation.channel)
         if isinstance(operation, Pause):
             return time.sleep(operation.seconds)

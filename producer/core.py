@@ -32,6 +32,7 @@ exactly as long as its replay stream (the worker sets both TTLs in one script).
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 import zlib
@@ -41,6 +42,7 @@ from typing import Any
 
 import msgspec
 
+from producer import protocol
 from producer.errors import (Disconnected, EventsLost, NotPermitted, ProtocolViolation, QueueFull,
                              UnknownRequest)
 from producer.protocol import (ENQUEUE_TTL_S, FIELD, GROUP, LANES, MAX_SHARDS, Event, Keys, Request, Submission,
@@ -86,6 +88,7 @@ class Call:
 @dataclass(frozen=True)
 class Subscribe:
     channel: str
+    fresh: bool = False  # on a new connection: the one it went on did not confirm within a reply's time
 
 
 @dataclass(frozen=True)
@@ -322,18 +325,24 @@ class ProducerCore:
 
     def _subscribe(self, channel: str, clock: Deadline) -> Flow:
         """SUBSCRIBE, and wait for the server's confirmation: through lost connections (each
-        SUBSCRIBE again, backing off), for at most RECONNECT_PATIENCE_S (or the clock's time)."""
+        SUBSCRIBE again, backing off), for at most RECONNECT_PATIENCE_S (or the clock's time). A
+        confirmation later than a reply may be (REPLY_TIMEOUT_S) means a silent connection (a
+        half-open one, that nothing else would notice): SUBSCRIBE again, on a new one."""
         reconnect, confirm_by = Reconnect(clock), time.monotonic() + RECONNECT_PATIENCE_S
-        subscribed = False
+        subscribed = fresh = False
         while True:
             try:
                 if not subscribed:
-                    yield Subscribe(channel)
-                    subscribed = True
+                    reply_by = math.inf  # a SUBSCRIBE that fails is no silence
+                    yield Subscribe(channel, fresh)
+                    subscribed, reply_by = True, time.monotonic() + protocol.REPLY_TIMEOUT_S
                 if _is_subscribe((yield Listen(clock.wait(self.poll_interval), subscribe_messages=True))):
                     return
+                if time.monotonic() >= reply_by:
+                    raise Disconnected(f"redis did not confirm the subscription to {channel} "
+                                       f"within {protocol.REPLY_TIMEOUT_S:g} s")
             except Disconnected as error:
-                subscribed = False
+                subscribed, fresh = False, time.monotonic() >= reply_by
                 yield from reconnect.lost(error)
                 continue
             if clock.end is None and time.monotonic() >= confirm_by:

@@ -49,8 +49,8 @@ class ChannelListener:
         self.lost = error
         self.woken.set()
 
-    async def subscribe(self, channel: str) -> None:
-        await self.shared.join(self, channel)
+    async def subscribe(self, channel: str, fresh: bool = False) -> None:
+        await self.shared.join(self, channel, fresh)
 
     async def get_message(self, ignore_subscribe_messages: bool = False, timeout: float = 0.0) -> dict | None:
         """The next message within `timeout` s, or None; raises the error of a connection lost since."""
@@ -98,12 +98,16 @@ class SharedSubscription:
     def listener(self) -> ChannelListener:
         return ChannelListener(self)
 
-    async def join(self, listener: ChannelListener, channel: str) -> None:
+    async def join(self, listener: ChannelListener, channel: str, fresh: bool = False) -> None:
+        """`fresh`: the connection `channel` goes on left a subscription unconfirmed (it is silent):
+        dropped first, so that its reader connects again (every listener on it subscribes again)."""
         listener.channel = channel
         self.listeners.setdefault(channel.encode(), set()).add(listener)
         async with self.commands:
             if self.sharded:
                 await self.client.initialize()  # its slot map, once (the pub/sub alone does not load it)
+            if fresh and (connection := self._connection(channel)) is not None:
+                await connection.disconnect()
             self._writable(channel)
             await (self.pubsub.ssubscribe if self.sharded else self.pubsub.subscribe)(channel)
         for node in list(self.pubsub.node_pubsub_mapping) if self.sharded else [None]:
@@ -128,14 +132,17 @@ class SharedSubscription:
 
     def _writable(self, channel: str | bytes) -> None:
         """Raise ConnectionError if the connection `channel` goes on is down (its reader reconnects it)."""
-        if self.sharded:
-            node = self.client.get_node_from_key(channel)
-            pubsub = self.pubsub.node_pubsub_mapping.get(node.name)
-        else:
-            pubsub = self.pubsub
-        connection = pubsub.connection if pubsub is not None else None
+        connection = self._connection(channel)
         if connection is not None and not connection.is_connected:
             raise redis.ConnectionError("the subscribed connection is reconnecting")
+
+    def _connection(self, channel: str | bytes):
+        """The subscribed connection `channel` goes on, or None if there is none yet."""
+        if self.sharded:
+            pubsub = self.pubsub.node_pubsub_mapping.get(self.client.get_node_from_key(channel).name)
+        else:
+            pubsub = self.pubsub
+        return pubsub.connection if pubsub is not None else None
 
     async def _next(self, node: str | None) -> dict | None:
         if node is None:

@@ -31,6 +31,7 @@ from producer.protocol import read_password, redacted
 JOB_FUNCTIONS = {f"{function.__module__}.{function.__qualname__}": function
                  for function in (rq_jobs.generate, rq_jobs.batch)}
 CALLBACKS = {rq_jobs.CANCEL_ON_STOP.name: rq_jobs.cancel_stopped}
+PUBSUB_WAKE_S = 1.0
 
 
 class UnknownJobFunction(Exception):
@@ -66,7 +67,20 @@ class StreambatchJob(Job):
         return _ours(self._stopped_callback_name, CALLBACKS)
 
 
-class StreambatchWorker(Worker):
+class PromptStop:
+    """For an rq worker class: its commands' thread (rq's subscribe) wakes every PUBSUB_WAKE_S
+    rather than every 60 s. From redis-py 8.2 on, rq's unsubscribe waits for that thread to see
+    that it should stop, so a worker that was done (a --burst one) took up to a minute to end."""
+
+    def subscribe(self) -> None:
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_WAKE_S, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
+
+
+class StreambatchWorker(PromptStop, Worker):
     """rq's forking Worker with StreambatchJob and the JSON serializer, whatever it is given."""
 
     def __init__(self, queues, **options) -> None:

@@ -1,6 +1,6 @@
 """producer/rq_jobs.py: rq jobs over streambatch, with rq and streambatch on the private
 redis-server. Jobs run in rq's SimpleWorker in this process (burst mode), or in a real
-`rq worker` process where the work horse must be a process of its own (stop, SIGTERM); the fake
+streambatch-rq-worker process where the work horse must be a process of its own (stop, SIGTERM); the fake
 worker of fake_worker.py serves them, and in the last test the streambatch worker on the tiny
 model does."""
 
@@ -19,11 +19,13 @@ from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 
 from producer import Producer, rq_jobs
+from producer.rq_worker import PromptStop
 from producer.protocol import LANES, Keys
 from tests.producer.fake_worker import running
 from tests.worker.conftest import greedy, make_worker, model, offline, prompts_of, run_until  # noqa: F401 (fixtures)
 from tests.worker.test_processes import wait_for
 
+SCRIPT = Path(sys.prefix) / "bin" / "streambatch-rq-worker"
 KEYS = Keys("sb")
 COMPLETION_KEYS = {"id", "text", "token_ids", "finish_reason", "usage", "timings", "error", "logprobs", "attempts"}
 
@@ -48,13 +50,17 @@ def queue(client):
     return Queue("llm", connection=client, serializer=JSONSerializer)
 
 
+class InProcessWorker(PromptStop, SimpleWorker):
+    """rq's SimpleWorker, that ends as soon as it is done."""
+
+
 def work(queue: Queue, max_jobs: int | None = None) -> None:
     """Run the queued jobs here until the queue is empty (or `max_jobs` of them), leaving this
     process's signal handlers as they were (the worker installs its own)."""
     handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
-        SimpleWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True,
-                                                                                            max_jobs=max_jobs)
+        InProcessWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(burst=True,
+                                                                                               max_jobs=max_jobs)
     finally:
         for number, handler in handlers.items():
             signal.signal(number, handler)
@@ -173,10 +179,11 @@ def test_the_url_of_a_connection_reaches_the_same_server(url):
 
 @pytest.fixture
 def rq_worker(redis_url, tmp_path, launch):
-    """Starts `rq worker --burst` on the queue "llm": it exits once the queue is empty."""
+    """Starts `streambatch-rq-worker llm --burst`, tmp_path its batch directory: it exits once the
+    queue is empty."""
     def start() -> subprocess.Popen:
-        return launch([sys.executable, "-m", "rq.cli", "worker", "--burst", "--serializer",
-                       "rq.serializers.JSONSerializer", "--url", redis_url, "llm"], tmp_path / "rq.log")
+        return launch([str(SCRIPT), "llm", "--burst", "--url", redis_url, "--batch-dir", str(tmp_path)],
+                      tmp_path / "rq.log")
 
     return start
 

@@ -5,7 +5,6 @@ redis-server; the fake worker of fake_worker.py serves the requests."""
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,10 @@ from rq.serializers import JSONSerializer
 from producer import rq_jobs
 from tests.conftest import private_redis
 from tests.producer.fake_worker import running
-from tests.producer.test_rq_jobs import (KEYS, client, enqueued, finished, queue,  # noqa: F401 (fixtures)
+from tests.producer.test_rq_jobs import (KEYS, SCRIPT, client, enqueued, finished, queue,  # noqa: F401 (fixtures)
                                          read_results, write_lines)
 from tests.worker.test_processes import wait_for
 
-SCRIPT = Path(sys.prefix) / "bin" / "streambatch-rq-worker"
 REFUSED_FUNCTION = "UnknownJobFunction: this worker runs only streambatch's rq jobs"
 ATTACKER_MODULE = """\
 from pathlib import Path

@@ -214,3 +214,21 @@ def test_a_server_that_pauses_then_dies_before_confirming_the_subscription_ends_
     [error] = outcome
     assert isinstance(error, Disconnected)
     assert len([at for at in listens if at > killed_at]) < 20, "polled a dead connection without backing off"
+
+
+def test_a_subscription_left_unconfirmed_for_a_replys_time_is_made_again_on_a_new_connection(monkeypatch):
+    """A silent connection (half-open: nothing comes back, nothing fails) takes a SUBSCRIBE and never
+    confirms it: past REPLY_TIMEOUT_S the stream subscribes again, asking for a new connection, and a
+    SUBSCRIBE that itself fails asks for none (the connection is down already, not silent)."""
+    monkeypatch.setattr("producer.protocol.REPLY_TIMEOUT_S", 0.05)
+    core = producer_core.ProducerCore(KEYS, max_backlog=10, claim_ttl=60, poll_interval=0.01)
+    steps = Steps(core.stream("quiet", timeout=30))
+    operation = steps.next()
+    assert operation == producer_core.Subscribe(KEYS.tokens("quiet"), fresh=False)
+    started = time.monotonic()
+    while isinstance(operation := steps.next(), producer_core.Listen):
+        time.sleep(operation.timeout)  # the silent connection: nothing heard
+    assert isinstance(operation, producer_core.Pause) and time.monotonic() - started >= 0.05
+    assert steps.next() == producer_core.Subscribe(KEYS.tokens("quiet"), fresh=True)
+    assert isinstance(steps.next(error=Disconnected("refused")), producer_core.Pause)
+    assert steps.next() == producer_core.Subscribe(KEYS.tokens("quiet"), fresh=False)
