@@ -20,6 +20,9 @@ Sections (a table each; --json OUT writes them all):
   prefill  tokens/s of 2,048-token prompts, one per step (the default token budget), next to the
            bound of its FLOPs (2 x linear weights per token, plus causal attention's 2 x tokens^2 x
            heads x head_dim per layer) at the measured matmul rate;
+  profile  where the time of a decode step (64 x 512) and of the prefill step goes: on a GPU its
+           kernels by kind and by name, and the step's time they leave idle; on the CPU its ops
+           (ops/gpu_profile.py);
   offline  ops/bench_offline's workload scaled to --requests, all submitted at once, through
            Engine.step: output tokens/s, and TTFT and ITL percentiles (nearest rank) as the engine
            hands tokens out; prompts tokenized by the model's tokenizer, or of random ids of the same
@@ -62,10 +65,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
 from ops.bench_offline import linear_weights, synthetic_workload, workload
+from ops.gpu_profile import profile_steps, profile_table
 from ops.percentile import percentile
 from ops.tool import run_tool, wide_console
 from producer.protocol import SamplingParams
@@ -78,7 +82,7 @@ from worker.engine.plan import StepPlan
 from worker.engine.sampler import DeviceSample, SampleRequest, read_back, sample_on_device
 from worker.engine.sequence import Sequence
 
-SECTIONS = ("device", "decode", "prefill", "offline", "greedy")
+SECTIONS = ("device", "decode", "prefill", "profile", "offline", "greedy")
 BLOCK_SIZE = 16
 DRY_RUN_MODEL = "random:llama"
 MIN_DECODE_SHARE, MIN_DECODE_SEQUENCES = 0.8, 64  # of the roofline bound, from this many sequences on
@@ -307,6 +311,7 @@ def bench(args: argparse.Namespace, console: Console) -> None:
     if skip - set(SECTIONS):
         raise ValueError(f"unknown section(s) {sorted(skip - set(SECTIONS))} in --skip; choose from {SECTIONS}")
     batches, contexts = ([1, 4], [32, 64]) if dry else ([1, 16, 64, 256], [512, 2048])
+    profiled = (4, 64) if dry else (64, 512)  # the decode step profiled: sequences, context
     if device.type == "cpu" and ranks > 1:  # the ranks share the cores: more threads than cores would spin
         torch.set_num_threads(max(1, torch.get_num_threads() // ranks))
     prompt_tokens, count = (64, 8) if dry else (2048, args.requests)
@@ -362,6 +367,15 @@ def bench(args: argparse.Namespace, console: Console) -> None:
         if "prefill" not in skip:
             result = prefill_bench(engine, prompt_tokens, prefill_steps, results.get("device"))
             report("prefill", result, prefill_table(result))
+        if "profile" not in skip:
+            decode_plan = planned(engine, [profiled[1]] * profiled[0], 1, random.Random(2))
+            prefill_plan = planned(engine, [prompt_tokens], prompt_tokens, random.Random(3))
+            profiles = {}
+            for title, plan, steps in ((f"decode {profiled[0]} x {profiled[1]}", decode_plan, decode_steps),
+                                       (f"prefill {prompt_tokens:,}", prefill_plan, prefill_steps)):
+                step_s = seconds_per_call(lambda: run_step(engine, plan), steps, device)
+                profiles[title] = profile_steps(lambda: run_step(engine, plan), steps, step_s, device)
+            report("profile", profiles, Group(*(profile_table(title, profile) for title, profile in profiles.items())))
         verdicts = targets(results)
         if verdicts:
             report("targets", verdicts, targets_table(verdicts))

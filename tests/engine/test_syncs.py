@@ -29,9 +29,12 @@ def test_a_step_waits_for_the_device_once():
                                               block_size=8, token_budget=24, cuda_graph_max_seqs=2))
     for i, params in enumerate(PARAMS):
         engine.add_request(f"r{i}", prompt_ids=list(range(3, 13 + 7 * i)), params=params)
-    counts = []
+    counts, extra = [], {}
     while engine.has_unfinished:
         with counting_syncs() as syncs:
             engine.step()
         counts.append(len(syncs))
-    assert counts and set(counts) == {1}, counts
+        if len(syncs) > 1:  # where the host waited (our frames), to say in the failure
+            extra[len(counts)] = [" <- ".join(frame for frame in reversed(stack) if "/torch/" not in frame)
+                                  for stack in syncs]
+    assert counts and set(counts) == {1}, f"syncs per step {counts}; where, in steps with more: {extra}"

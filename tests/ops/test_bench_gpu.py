@@ -38,6 +38,13 @@ def test_dry_run_reports_every_section(tmp_path, monkeypatch):
     prefill = results["prefill"]
     assert prefill["prompt_tokens"] == 64
     assert positive(prefill["tokens_per_s"], prefill["bound_tokens_per_s"], prefill["share_of_bound"])
+    profiles = results["profile"]  # on the CPU: each op's own time
+    assert list(profiles) == ["decode 4 x 64", "prefill 64"]
+    for profile in profiles.values():
+        assert positive(profile["step_s"], profile["kernels_s"], profile["launches_per_step"])
+        assert profile["kinds"]["matmul"]["seconds"] > 0  # the CPU's attention kernels are no ops: not in it
+        assert profile["top"] and all(row["seconds"] > 0 for row in profile["top"])
+        assert profile["kernels_s"] <= profile["step_s"] * 1.5  # op times within the step's, give or take timing
     offline = results["offline"]
     assert offline["requests"] == 8
     assert offline["output_tokens"] == 4 * 16 + 2 * 64 + 2 * 256  # bench_offline's mix, EOS ignored
@@ -51,7 +58,7 @@ def test_skip_leaves_sections_out_and_bounds_need_the_device_figures(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["--dry-run", "--skip", "device,offline,greedy", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert set(results) == {"config", "decode", "prefill"}
+    assert set(results) == {"config", "decode", "prefill", "profile"}
     assert all("bound_tokens_per_s" not in row for row in results["decode"])
     assert main(["--dry-run", "--skip", "decoding"]) == 1  # one red line, no traceback
 

@@ -10,6 +10,7 @@ and read after one synchronize: the step's one sync. On the CPU all of it is a n
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -52,17 +53,25 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 @contextmanager
-def counting_syncs() -> Iterator[list[warnings.WarningMessage]]:
+def counting_syncs() -> Iterator[list[list[str]]]:
     """Inside the block, one entry per time the host waited for a CUDA device: what
     torch.cuda.set_sync_debug_mode("warn") warns about (blocking copies, .item(), .tolist(),
-    nonzero, synchronize)."""
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    nonzero, synchronize), each as the Python frames that led to it ("file:line", innermost last)."""
+    previous_mode = torch.cuda.get_sync_debug_mode()
+    syncs: list[list[str]] = []
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message):
+            syncs.append([f"{frame.filename}:{frame.lineno}" for frame in traceback.extract_stack()[:-1]
+                          if frame.filename != warnings.__file__])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first switch of the mode waits for the device itself: not counted
         torch.cuda.set_sync_debug_mode("warn")
-        syncs: list[warnings.WarningMessage] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record  # catch_warnings puts the previous one back
         try:
             yield syncs
         finally:
-            torch.cuda.set_sync_debug_mode(previous)
-            syncs += [w for w in caught if "synchroniz" in str(w.message)]
+            torch.cuda.set_sync_debug_mode(previous_mode)
