@@ -90,7 +90,10 @@ class ModelRunner:
                 compile and packing_backend(info.dtype) == "onednn"):
             pack_linear_layers(model)
         if self.device.type == "cpu" and not compile and kernels.native() is not None:
-            use_native_layer_ops(model)  # compiled, inductor fuses these ops itself
+            use_native_layer_ops(model, kernels)  # compiled, inductor fuses these ops itself
+        elif self.device.type == "cuda" and not compile:
+            from worker.engine import triton_layer_ops  # only a GPU needs triton here
+            use_native_layer_ops(model, triton_layer_ops)
         self.forward = compile_forward(model) if compile else functools.partial(run_model, model)
         if compile:
             on_phase("compiling the model forward (minutes on a cold compile cache)")
