@@ -26,7 +26,7 @@ from producer.connect import REDIS_FAILURES, UNREACHABLE
 from producer.core import Call
 
 MESSAGE_TYPES = ("message", "subscribe", "smessage", "ssubscribe", "unsubscribe", "sunsubscribe")
-READ_WAIT_S = 1.0  # one node's reader's wait for a message: how often an idle connection is health-checked
+READ_WAIT_S = 1.0  # the single node's reader's wait for a message (a cluster's readers block: _next)
 RETRY_S, MAX_RETRY_S = 0.1, 2.0  # the reader's wait after a lost connection, doubling while it stays lost
 
 
