@@ -46,6 +46,7 @@ _WORKER_COMMANDS = [
     "+evalsha", "+script|load", "+script|exists",
     "+get", "+set", "+expire", "+pexpire", "+exists", "+del", "+hgetall", "+publish", "+subscribe", "+unsubscribe",
     "+spublish", "+ssubscribe", "+sunsubscribe",  # on a cluster: the fenced write's; the enqueue nudges
+    "+client|id", "+client|unblock",  # the step's end cuts the intake's blocking read short (worker/step_intake.py)
 ]
 _OPERATOR_COMMANDS = [
     "+scan", "+type", "+get", "+exists", "+hgetall", "+hget", "+hexists", "+hset", "+hdel", "+xlen", "+xrange", "+xrevrange",

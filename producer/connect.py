@@ -83,11 +83,14 @@ class LocalKeys(CommandsParser):
 
 
 def connect(url: str, *, cluster: bool = False, password: str | None = None, blocking_ms: int = 0,
-            max_connections: int | None = None) -> redis.Redis | redis.RedisCluster:
-    """A redis-py client (sync). `blocking_ms`: the longest BLOCK its reads use (single node only)."""
+            max_connections: int | None = None, single_connection: bool = False) -> redis.Redis | redis.RedisCluster:
+    """A redis-py client (sync). `blocking_ms`: the longest BLOCK its reads use; `single_connection`:
+    every command on one connection, whose CLIENT ID is then the client's (both single node only)."""
     options = connection_options(blocking_ms, password)
     if max_connections is not None:
         options["max_connections"] = max_connections
+    if single_connection:
+        options["single_connection_client"] = True
     if cluster:
         client = redis.RedisCluster.from_url(url, **_cluster_options(options))
         client.commands_parser = LocalKeys(client)

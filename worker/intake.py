@@ -5,15 +5,17 @@ a read that takes only what the engine can admit soon, acks and dead letters.
 Backpressure rule: read nothing while free KV blocks are under the scheduler's watermark
 (a full pool admits nobody), otherwise read until `intake_ahead` requests wait in the
 engine. Everything beyond stays in Redis, where idle workers' blocking reads pick it up.
-Every entry read is taken into the engine at once: nothing is held in Redis's pending list
-that the worker does not keep fresh (claims.py), or a peer would reclaim it from a live worker.
+Every entry read is claimed at once and in the engine by the end of the step it came during
+(step_intake.py): nothing is held in Redis's pending list that the worker does not keep fresh
+(claims.py), or a peer would reclaim it from a live worker.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from producer.connect import is_cluster
 from producer.protocol import GROUP, LANES, ErrorEvent, Keys, Lane, Request, ensure_group
@@ -21,7 +23,7 @@ from worker.claims import Claim, Claims
 from worker.engine.engine import Engine
 from worker.entries import Entry, Rejected, decode_entry
 from worker.fair_intake import IntakeShares
-from worker.flight import Flight, engine_id
+from worker.flight import engine_id
 from worker.metrics import Metrics
 from worker.nudges import Nudges
 from worker.tenants import LaneStreams
@@ -49,10 +51,12 @@ class Admission:
     """A request to start: the entry that carried it, what that decoded to (a Rejected one starts
     only to end with its error event), and its claim."""
 
+    name: str  # the engine's id (flight.engine_id)
     request_id: str
     entry: Entry
     request: Request | Rejected
     claim: Claim
+    claimed: float = field(default_factory=time.monotonic)  # when its claim answered
 
 
 class Intake:
@@ -80,19 +84,19 @@ class Intake:
             self.nudges.set_channels([stream.keys.enqueued(stream.lane, stream.shard)
                                       for stream in self.streams.by_name.values()])
 
-    def take(self, room: int, block_ms: int | None, flights: Mapping[str, Flight],
+    def take(self, room: int, block_ms: int | None, held: Mapping[str, Entry],
              in_engine: Container[str], waiting: Mapping[Lane, Container[str]] | None = None) -> list[Admission]:
         """One pass: read (`read`), then `admit` what came."""
-        return self.admit(self.read(room, block_ms, waiting), flights, in_engine)
+        return self.admit(self.read(room, block_ms, waiting), held, in_engine)
 
-    def admit(self, entries: list[Entry], flights: Mapping[str, Flight], in_engine: Container[str]) -> list[Admission]:
+    def admit(self, entries: list[Entry], held: Mapping[str, Entry], in_engine: Container[str]) -> list[Admission]:
         """-> the requests among `entries` to start, claimed; each one's tenant is its stream's. The
         rest is settled here: an entry with no usable id, or a second one for an id in progress or
         owned by another entry, is dead-lettered; a repeat of a finished request is acked (its
         result stands); one whose keys cannot be resumed from is dead-lettered with its consumers
         told why. Left alone (pending, for a later reclaim): our own entry reclaimed by ourselves
-        after a slow turn (`flights` holds it), and one whose dropped attempt has yet to leave the
-        engine (`in_engine`, by engine id)."""
+        after a slow turn (`held`: the entry of each request held, by engine id), and one whose
+        dropped attempt has yet to leave the engine (`in_engine`, by engine id)."""
         accepted: dict[str, tuple[str, Entry, Request | Rejected]] = {}  # by engine id
         dead: list[tuple[Entry, str, str | None]] = []
         for entry in entries:
@@ -102,10 +106,10 @@ class Intake:
                 dead.append((entry, request.reason, None))
                 continue
             name = engine_id(self.streams[entry.stream].tenant, request_id)
-            held = flights.get(name)
-            if held is not None and (held.entry.stream, held.entry.entry_id) == (entry.stream, entry.entry_id):
+            ours = held.get(name)
+            if ours is not None and (ours.stream, ours.entry_id) == (entry.stream, entry.entry_id):
                 continue  # our own entry, reclaimed by ourselves after a slow turn: still ours
-            elif held is not None or name in accepted:
+            elif ours is not None or name in accepted:
                 dead.append((entry, "duplicate: a request with this id is in progress", request_id))
             elif name in in_engine:
                 continue  # a dropped attempt has yet to leave the engine: left pending for a later reclaim
@@ -115,7 +119,7 @@ class Intake:
             self.dead_letter(dead)
         admitted = []
         claims = self.claims.claim([(request_id, entry) for request_id, entry, _ in accepted.values()])
-        for (request_id, entry, request), claim in zip(accepted.values(), claims):
+        for (name, (request_id, entry, request)), claim in zip(accepted.items(), claims):
             stream = self.streams[entry.stream]
             fence = stream.keys.attempt(request_id)
             if claim.taken and claim.terminal is not None:  # a repeat of a finished request: its result stands
@@ -130,7 +134,7 @@ class Intake:
             elif claim.terminal is not None:  # finished on an earlier attempt, whose ack was lost
                 self.ack([entry], fences=[fence])
             else:
-                admitted.append(Admission(request_id, entry, request, claim))
+                admitted.append(Admission(name, request_id, entry, request, claim))
         return admitted
 
     def dead_letter(self, dead: list[tuple[Entry, str, str | None]], fences: Iterable[str] = ()) -> None:

@@ -6,8 +6,9 @@ One `poll()` is one turn:
      entries that we dropped, reclaim idle entries of dead workers, apply the pinned prefixes,
      beat; now and then delete dead consumers and trim old dead letters;
   2. cancellations nudged on the tenants' cancel channels (each checked against its key);
-  3. intake, as much as the backpressure rule allows (a blocking read only when idle);
-  4. deadlines of requests not started yet, then one engine step;
+  3. when idle, intake as much as the backpressure rule allows (a blocking read);
+  4. deadlines of requests not started yet, then one engine step, during which the intake reads
+     and claims what the backpressure rule allows, started as the step ends (step_intake.py);
   5. the outbox writes the turn's events in one round trip; finished entries are acked.
 
 A Redis error (or any other failure of a turn) drops every request held: their entries stay
@@ -50,6 +51,7 @@ from worker.heartbeat import Heartbeat, StartupBeat, new_consumer
 from worker.intake import Admission, Intake, intake_room, waiting_tenants
 from worker.metrics import Health, Metrics
 from worker.outbox import Outbox
+from worker.step_intake import StepIntake
 from worker.step_watch import StepWatch
 from worker.tenants import LaneStreams, read_registry
 
@@ -92,11 +94,13 @@ class Worker:
         self.wait_for_redis(self.client.ping)
         self.refuse_v1_layout()
         blocking = self.client if config.redis_cluster else connect(config.redis_url, password=password,
-                                                                    blocking_ms=config.block_ms)
+                                                                    blocking_ms=config.block_ms,
+                                                                    single_connection=True)
         self.claims = Claims(self.client, self.keys, self.streams, self.consumer, config.replay_ttl,
                              config.reclaim_idle_ms)
         self.intake = Intake(self.client, blocking, self.keys, self.streams, self.consumer, config.replay_ttl,
                              self.claims, self.metrics, self.log)
+        self.step_intake = StepIntake(self.intake, self.client, config.block_ms)
         self.outbox = Outbox(self.client, config.replay_maxlen, config.replay_ttl)
         self.cancels = Cancels(self.client)
         self.step_watch = StepWatch(config.heartbeat_interval, self.keep_alive, self.health.stall, self.exit_stalled,
@@ -244,10 +248,10 @@ class Worker:
             self.housekeeping()
         nudged = [self.flights[name] for name in self.cancels.nudged() if name in self.flights]
         self.cancel(self.cancels.swept(nudged))
-        if self.drain_until is None:
-            block_ms = None if self.engine.has_unfinished else self.config.block_ms
-            for admission in self.intake.take(intake_room(self.engine, self.config.intake_ahead), block_ms,
-                                              self.flights, self.engine.requests, waiting_tenants(self.engine)):
+        if self.drain_until is None and not self.engine.has_unfinished:
+            for admission in self.intake.take(intake_room(self.engine, self.config.intake_ahead),
+                                              self.config.block_ms, self.held(), self.engine.requests,
+                                              waiting_tenants(self.engine)):
                 self.start(admission)
         self.expire_deadlines()
         if self.engine.has_unfinished:
@@ -343,15 +347,20 @@ class Worker:
     # --- intake ------------------------------------------------------------------------
     def take(self, entries: list[Entry]) -> None:
         """Start what reclaimed entries carry (`Intake.admit` settles the rest)."""
-        for admission in self.intake.admit(entries, self.flights, self.engine.requests):
+        for admission in self.intake.admit(entries, self.held(), self.engine.requests):
             self.start(admission)
+
+    def held(self) -> dict[str, Entry]:
+        """The entry of each request this worker holds, by engine id."""
+        return {name: flight.entry for name, flight in self.flights.items()}
 
     def start(self, admission: Admission) -> None:
         request_id, entry, request, claim = admission.request_id, admission.entry, admission.request, admission.claim
         stream = self.streams[entry.stream]
         emitted = claim.emitted_token_ids
         flight = Flight(request_id, stream.keys, entry, claim.attempt, next_seq=len(claim.events),
-                        resumed=bool(emitted), log=self.log.bind(tenant=stream.tenant, request_id=request_id))
+                        resumed=bool(emitted), log=self.log.bind(tenant=stream.tenant, request_id=request_id),
+                        received=admission.claimed)
         self.flights[flight.name] = flight
         if isinstance(request, Rejected):
             self.refuse(flight, "invalid_request", request.reason)
@@ -398,9 +407,18 @@ class Worker:
 
     # --- step and outbox ---------------------------------------------------------------
     def step(self) -> None:
+        """One engine step, the intake overlapped with it unless draining; what the intake took
+        starts as the step ends."""
+        taking = None
+        if self.drain_until is None:
+            taking = self.step_intake.start(intake_room(self.engine, self.config.intake_ahead), self.held(),
+                                            self.engine.requests, waiting_tenants(self.engine))
         started = time.monotonic()
-        with self.step_watch.step(list(self.flights.values())):
-            outputs = self.engine.step()
+        try:
+            with self.step_watch.step(list(self.flights.values())):
+                outputs = self.engine.step()
+        finally:
+            admitted = taking.finish() if taking is not None else []
         now = time.monotonic()
         self.metrics.step_time.observe(now - started)
         self.metrics.observe_engine(self.engine)
@@ -419,6 +437,8 @@ class Worker:
                 flight.log.info("request.finished", reason=output.finish_reason, error=output.error,
                                 completion_tokens=output.usage.completion_tokens)
             self.outbox.add_output(flight, output)
+        for admission in admitted:
+            self.start(admission)
 
     def publish(self) -> None:
         done, dead, fences = [], [], []

@@ -58,9 +58,7 @@ def summarize(ramps: dict[str, list[Step]], scenario: Scenario, fleet_workers: i
             "half_capacity": None if half is None else {
                 "workers": half.workers, "node_cpu": half.node_cpu, "busiest_master_share": half.busiest.cpu_share,
                 "intake_p50_ms": half.intake.p50_ms, "intake_p99_ms": half.intake.p99_ms,
-                "after_step_p50_ms": half.after_step.p50_ms, "after_step_p99_ms": half.after_step.p99_ms,
-                "after_step_cpu_p50_ms": half.after_step_cpu.p50_ms,
-                "after_step_cpu_p99_ms": half.after_step_cpu.p99_ms},
+                "started_p50_ms": half.started.p50_ms, "started_p99_ms": half.started.p99_ms},
             "consumers_share_of_master_cpu": consumers_share_of_redis(steps),
         }
     summary: dict = {"topologies": topologies}

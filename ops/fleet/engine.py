@@ -8,9 +8,8 @@ the step then lasts what CostModel says a real step of that shape takes, so a Wo
 keeps production's step cadence and writes production's events, on the CPU of the scheduler
 alone. Each token's text is TOKEN_TEXT, so that events are as large as real ones.
 
-It also keeps a tally for ops/fleet: steps, tokens, and for each request taken in, when it was
-taken (`add_request`), when the step before it ended, and the CPU the worker's thread used between
-the two (the turn's own Python: writing the step's events, acks, the intake read, the claim).
+It also keeps a tally for ops/fleet: steps, tokens, and for each request taken in, when the
+worker claimed it and when it entered the engine (recorded by workers.FleetWorker).
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ TOKEN_TEXT = " and"
 @dataclass
 class AdmitTiming:
     request_id: str  # the engine's id: "<tenant>/<request id>" (worker/flight.py)
-    at: float  # unix seconds, when the worker handed it to the engine
-    previous_step_end: float  # unix seconds, when the engine's latest step before it ended (0: none yet)
-    cpu_since_step: float  # seconds of the worker thread's CPU from then to `at`
+    claimed: float  # unix seconds, when the worker's claim of it answered (the intake's admission)
+    started: float  # unix seconds, when the worker handed it to the engine (at the end of a step)
 
 
 @dataclass
@@ -67,14 +65,6 @@ class SyntheticEngine(Engine):
         self.ranks = self.runner = None
         self.tally = Tally()
         self.step_seconds = 0.0  # what the cost model gives the step in progress
-        self.last_step_end = 0.0
-        self.last_step_end_cpu = time.thread_time()
-
-    def add_request(self, request_id: str, **options) -> Sequence:
-        seq = super().add_request(request_id, **options)
-        self.tally.admissions.append(AdmitTiming(request_id, time.time(), self.last_step_end,
-                                               time.thread_time() - self.last_step_end_cpu))
-        return seq
 
     def step(self) -> list[RequestOutput]:
         """Engine.step, lasting the cost model's time for the step's shape (when the scheduling
@@ -83,7 +73,6 @@ class SyntheticEngine(Engine):
         self.step_seconds = 0.0
         outputs = super().step()
         time.sleep(max(0.0, self.step_seconds - (time.monotonic() - started)))
-        self.last_step_end, self.last_step_end_cpu = time.time(), time.thread_time()
         return outputs
 
     def _run(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:

@@ -23,8 +23,8 @@ def plot(ramps: dict[str, list[Step]], directory: Path) -> Path:
         throughput.plot(workers, [step.events_per_s for step in ramp], "o-", color=colour, label=LABELS[kind])
         latency.plot(workers, [step.intake.p99_ms for step in ramp], "o-", color=colour,
                      label=f"{LABELS[kind]}: XADD -> admit")
-        latency.plot(workers, [step.after_step.p99_ms for step in ramp], "s--", color=colour,
-                     label=f"{LABELS[kind]}: after the step ended")
+        latency.plot(workers, [step.started.p99_ms for step in ramp], "s--", color=colour,
+                     label=f"{LABELS[kind]}: XADD -> engine (a step's end)")
         for step in steps:
             if step.kind == "ramp" and step.saturated:
                 throughput.plot([step.workers], [step.events_per_s], "x", color="red", markersize=12)

@@ -62,11 +62,8 @@ class Step:
     requests_per_s: float  # requests completed, as their consumers saw them end
     steps_per_s: float  # per worker
     batch: float  # sequences per step, mean
-    intake: Quantiles  # a request's XADD -> the engine taking it (add_request)
-    # of that, the part after the worker's step in progress ended: the rest of its turn (its Redis
-    # round trips, and its own Python), and of that the worker's own CPU (requests waiting at the step's end)
-    after_step: Quantiles
-    after_step_cpu: Quantiles
+    intake: Quantiles  # a request's XADD -> a worker's claim of it (the intake's admission)
+    started: Quantiles  # XADD -> the engine taking it in, at the end of the step it came during
     nodes: list[NodeFigures]
     worker_cores: float  # the worker processes' CPU
     load_cores: float  # the producers' and consumers' CPU
@@ -88,8 +85,7 @@ class Step:
 
     def as_json(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
-            "intake": vars(self.intake), "after_step": vars(self.after_step),
-            "after_step_cpu": vars(self.after_step_cpu),
+            "intake": vars(self.intake), "started": vars(self.started),
             "nodes": [vars(node) for node in self.nodes],
             "saturated": self.saturated, "generator_bound": self.generator_bound}
 
@@ -134,8 +130,7 @@ def step_of(topology: Topology, kind: StepKind, workers: int, in_flight: int, be
         steps_per_s=round(steps / wall / workers, 2),
         batch=round(sum(host.scheduled for host in hosts) / steps, 1) if steps else 0.0,
         intake=Quantiles.of([value for host in hosts for value in host.intake_s]),
-        after_step=Quantiles.of([value for host in hosts for value in host.after_step_s]),
-        after_step_cpu=Quantiles.of([value for host in hosts for value in host.after_step_cpu_s]),
+        started=Quantiles.of([value for host in hosts for value in host.started_s]),
         nodes=nodes,
         worker_cores=round(sum(host.cpu_s for host in hosts) / wall, 3),
         load_cores=round(sum(load.cpu_s for load in loads) / wall, 3),

@@ -13,11 +13,10 @@ class HostWindow:
     steps: int
     tokens: int
     scheduled: int  # sequences per step, summed over steps
-    # per request taken in: XADD -> the engine (s), and of that the part after the worker's step ended
+    # per request taken in (s): XADD -> a worker's claim (the intake's admission), and XADD -> the
+    # worker's engine, which takes requests in between steps
     intake_s: list[float] = field(default_factory=list)
-    after_step_s: list[float] = field(default_factory=list)
-    # per request that was waiting when the step ended: the worker's CPU from the step's end to taking it
-    after_step_cpu_s: list[float] = field(default_factory=list)
+    started_s: list[float] = field(default_factory=list)
 
 
 @dataclass

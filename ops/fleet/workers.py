@@ -21,6 +21,7 @@ from pathlib import Path
 
 from producer.connect import connect
 from producer.protocol import Keys
+from worker.intake import Admission
 from worker.logs import configure_logging
 from worker.service import Worker
 
@@ -32,6 +33,17 @@ from ops.fleet.windows import HostWindow
 GIL_SWITCH_S = 0.001
 
 
+class FleetWorker(Worker):
+    """The worker, noting when each request it starts was claimed and when it entered the engine."""
+
+    engine: SyntheticEngine
+
+    def start(self, admission: Admission) -> None:
+        claimed = time.time() - (time.monotonic() - admission.claimed)
+        super().start(admission)
+        self.engine.tally.admissions.append(AdmitTiming(admission.name, claimed, time.time()))
+
+
 def serve(redis_url: str, cluster: bool, names: list[str], scenario: Scenario, log: Path,
           control: Connection) -> None:
     """The process's body: start the workers, answer "ready" (or the error that stopped them), then
@@ -40,7 +52,7 @@ def serve(redis_url: str, cluster: bool, names: list[str], scenario: Scenario, l
     configure_logging("warning")
     sys.setswitchinterval(GIL_SWITCH_S)
     try:
-        workers = [Worker(scenario.worker_config(redis_url, cluster, name),
+        workers = [FleetWorker(scenario.worker_config(redis_url, cluster, name),
                           engine=SyntheticEngine(scenario.engine_config(), scenario.cost)) for name in names]
         reader = connect(redis_url, cluster=cluster)
     except Exception as error:  # whatever it is, the parent says it in one line
@@ -73,10 +85,8 @@ def window(workers: list[Worker], reader, cpu_s: float) -> HostWindow:
     admissions = [admission for tally in tallies for admission in tally.admissions]
     for admission, enqueued in zip(admissions, enqueued_at(reader, admissions)):
         if enqueued is not None:
-            found.intake_s.append(admission.at - enqueued)
-            found.after_step_s.append(admission.at - max(enqueued, admission.previous_step_end))
-            if enqueued <= admission.previous_step_end:
-                found.after_step_cpu_s.append(admission.cpu_since_step)
+            found.intake_s.append(admission.claimed - enqueued)
+            found.started_s.append(admission.started - enqueued)
     return found
 
 

@@ -27,8 +27,8 @@ def test_a_quick_fleet_run_measures_one_node_and_the_cluster(tmp_path, capsys):
         for step in steps:
             followed = step["kind"] != "no consumers"
             assert step["events_written_per_s"] > 0 and (step["events_per_s"] > 0) == followed
-            assert step["intake"]["count"] > 0 and step["intake"]["p99_ms"] >= step["after_step"]["p99_ms"] >= 0
-            assert step["after_step_cpu"]["count"] > 0
+            assert step["intake"]["count"] == step["started"]["count"] > 0
+            assert 0 <= step["intake"]["p50_ms"] <= step["started"]["p50_ms"]
             assert step["steps_per_s"] > 0 and step["batch"] > 0 and not step["failures"]
             masters = [node for node in step["nodes"] if node["master"]]
             assert len(masters) == (1 if kind == "node" else 3) and len(step["nodes"]) == (1 if kind == "node" else 6)

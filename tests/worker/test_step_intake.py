@@ -1,0 +1,83 @@
+"""The intake overlapped with the engine's step (worker/step_intake.py): a request sent while a
+step runs is claimed during it and starts as it ends; the step's end cuts the blocking read short,
+leaving no reader blocked in Redis and nothing pending that the worker does not hold; a failure of
+the intake's thread fails the turn as a failed read did."""
+
+import time
+
+import redis
+
+from producer.protocol import GROUP, LANES, Request
+from tests.worker.conftest import KEYS, greedy, offline, paced, submit, tokens_of, replay
+
+
+def names(worker) -> set[str]:
+    return {name.rpartition("/")[2] for name in worker.flights}
+
+
+def test_a_request_sent_during_a_step_is_claimed_during_it_and_starts_as_it_ends(make_worker, client, model):
+    worker = make_worker()
+    first, second = [5, 6, 7, 8], [9, 10, 11]
+    submit(client, Request(id="first", prompt_ids=first, params=greedy(12)))
+    worker.poll()
+    assert names(worker) == {"first"}
+
+    step, seen = worker.engine.step, {}
+
+    def step_with_an_arrival():
+        submit(client, Request(id="second", prompt_ids=second, params=greedy(12)))
+        deadline = time.monotonic() + 10
+        while client.get(KEYS.attempt("second")) is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        seen["claimed during the step"] = client.get(KEYS.attempt("second")) is not None
+        seen["in the engine during the step"] = any(name.endswith("/second") for name in worker.engine.requests)
+        return step()
+
+    worker.engine.step = step_with_an_arrival
+    worker.poll()
+    worker.engine.step = step
+    assert seen == {"claimed during the step": True, "in the engine during the step": False}
+    assert names(worker) == {"first", "second"}
+    assert any(name.endswith("/second") for name in worker.engine.requests)
+    while worker.flights:
+        worker.poll()
+    assert [tokens_of(replay(client, "first")), tokens_of(replay(client, "second"))] == \
+        offline(model, [first, second], [greedy(12), greedy(12)])
+
+
+def test_the_steps_end_cuts_the_blocking_read_short_and_leaves_nothing_unheld(make_worker, client):
+    worker = paced(make_worker(heartbeat_interval=5.0), step_s=0.02)  # its reads block for up to 1 s
+    assert worker.config.block_ms == 1000
+    submit(client, Request(id="long", prompt_ids=[5, 6, 7], params=greedy(40)))
+    worker.poll()
+    started = time.monotonic()
+    for _ in range(10):
+        worker.poll()
+        assert client.info("clients")["blocked_clients"] == 0
+    assert time.monotonic() - started < 5, "each step waited for its intake's read to time out"
+    # a request sent between steps comes with the next one, and every pending entry is held
+    submit(client, Request(id="late", prompt_ids=[8, 9], params=greedy(4)))
+    worker.poll()
+    assert names(worker) == {"long", "late"}
+    pending = sum(client.xpending(KEYS.requests(lane), GROUP)["pending"] for lane in LANES)
+    assert pending == len(worker.flights)
+
+
+def test_a_failure_of_the_intakes_thread_fails_the_turn(make_worker, client, monkeypatch):
+    monkeypatch.setattr("worker.service.TURN_RETRY_S", 0)
+    worker = make_worker()
+    submit(client, Request(id="running", prompt_ids=[5, 6, 7], params=greedy(30)))
+    worker.turn()
+    assert names(worker) == {"running"} and worker.failed_turns == 0
+
+    def refused(*_):
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(worker.intake, "read", refused)
+    worker.turn()
+    assert worker.failed_turns == 1 and not worker.flights  # dropped, to be taken back
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    while names(worker) != {"running"} and time.monotonic() < deadline:
+        worker.turn()
+    assert names(worker) == {"running"} and worker.failed_turns == 0

@@ -1,0 +1,131 @@
+"""Intake overlapped with the engine's step: a request that arrives while a step runs is read and
+claimed meanwhile, by a thread of its own, and starts as the step ends, rather than being read
+after the step and the turn's writes, at the cost of two more round trips on the turn's path.
+
+While a step runs (and only then) the thread makes the turn's intake pass (Intake.take: the
+tenants' shares, the probe for quiet tenants) and then, on one node with room left, a blocking
+read of every lane stream, which returns as soon as an entry comes (Redis hands each entry to one
+blocked reader: no herd) and which the step's end cuts short with CLIENT UNBLOCK; what a read
+brings is claimed at once and the thread reads again. An unblocked read takes nothing, so no entry
+is left in this worker's pending list unstarted. On a cluster, where no read blocks across
+nodes, the thread makes the pass only (at the step's start instead of after its end).
+
+Nothing else uses the intake meanwhile: the main thread is in the engine, and the flights and
+engine requests that a claim is checked against are only read. What the thread raises is raised
+at the step's end, so a failed pass fails the turn as before, and what it claimed before failing
+is taken back by the next housekeeping (claims.py, take back).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Container, Mapping
+
+import redis
+
+from producer.protocol import Lane
+from worker.entries import Entry
+from worker.intake import Admission, Intake
+
+UNBLOCK_RETRY_S = 0.001  # between CLIENT UNBLOCKs sent while the thread is about to block
+
+
+class StepIntake:
+    def __init__(self, intake: Intake, client, block_ms: int) -> None:
+        """`client` sends the CLIENT UNBLOCKs; `intake.blocking` must be a single-connection client
+        (its connection's id is what they name). `block_ms` bounds each blocking read all the same."""
+        self.intake, self.client, self.block_ms = intake, client, block_ms
+        self.blocks = not intake.cluster
+        self._lock = threading.Lock()
+        self._ending = False
+        self._blocked = False  # the thread's read is (about to be) waiting in Redis
+        self.connection_id: int | None = None
+        if self.blocks:
+            intake.blocking.connection.register_connect_callback(self._connected)
+            self.connection_id = intake.blocking.client_id()
+
+    def _connected(self, connection) -> None:
+        """The blocking connection (re)connected: its id changed."""
+        connection.send_command("CLIENT", "ID")
+        self.connection_id = connection.read_response()
+
+    def start(self, room: int, held: Mapping[str, Entry], in_engine: Container[str],
+              waiting: Mapping[Lane, Container[str]]) -> TakeDuringStep:
+        """Begin taking requests in (see `Intake.take` for the arguments); `finish` at the step's end."""
+        self._ending = False
+        return TakeDuringStep(self, room, dict(held), in_engine, waiting)
+
+    def end(self, thread: threading.Thread) -> None:
+        """Stop the thread: cut its read short if one waits (sent again until Redis finds it waiting,
+        should it be about to block), and wait for the claims in progress; the thread has ended
+        when this returns or raises."""
+        with self._lock:
+            self._ending = True
+        failure = None  # Redis refused the unblock: the read ends by itself (block_ms), then this raises
+        while thread.is_alive():
+            with self._lock:
+                blocked = self._blocked
+            if blocked and failure is None and self.connection_id is not None:
+                try:
+                    if self.client.client_unblock(self.connection_id):
+                        break
+                except redis.RedisError as error:
+                    failure = error
+            thread.join(UNBLOCK_RETRY_S)
+        thread.join()
+        if failure is not None:
+            raise failure
+
+    def read_blocking(self, room: int) -> list[Entry] | None:
+        """A blocking read, or None once the step has ended."""
+        with self._lock:
+            if self._ending:
+                return None
+            self._blocked = True
+        try:
+            return self.intake.read(room, self.block_ms)
+        finally:
+            with self._lock:
+                self._blocked = False
+
+
+class TakeDuringStep:
+    """One step's intake thread; `finish` -> what it admitted, in the order claimed."""
+
+    def __init__(self, owner: StepIntake, room: int, held: dict[str, Entry], in_engine: Container[str],
+                 waiting: Mapping[Lane, Container[str]]) -> None:
+        self.owner = owner
+        self.admitted: list[Admission] = []
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._take, args=(room, held, in_engine, waiting),
+                                       name="step-intake", daemon=True)
+        self.thread.start()
+
+    def _take(self, room: int, held: dict[str, Entry], in_engine: Container[str],
+              waiting: Mapping[Lane, Container[str]]) -> None:
+        intake = self.owner.intake
+        try:
+            self._admitted(intake.take(room, None, held, in_engine, waiting), held)
+            room -= len(self.admitted)
+            while self.owner.blocks and room > 0:
+                entries = self.owner.read_blocking(room)
+                if entries is None:
+                    return
+                admitted = self._admitted(intake.admit(entries, held, in_engine), held)
+                room -= admitted
+        except BaseException as error:  # raised in the main thread at the step's end
+            self.failure = error
+
+    def _admitted(self, admissions: list[Admission], held: dict[str, Entry]) -> int:
+        """Keep `admissions`; each is held from now on (a second entry of its id is a duplicate)."""
+        self.admitted += admissions
+        held.update((admission.name, admission.entry) for admission in admissions)
+        return len(admissions)
+
+    def finish(self) -> list[Admission]:
+        """End the thread; -> what it admitted. Raises what the thread raised."""
+        self.owner.end(self.thread)
+        if self.failure is not None:
+            raise self.failure
+        return self.admitted
+
