@@ -15,7 +15,10 @@ the events/s delivered to the consumers, and intake -> admit latency (ops/fleet/
 
 It ends with the scaling to 3 masters (from one node, and from one master), a master's capacity
 in events/s per core, what the consumers cost, and the masters a fleet of --fleet-workers needs
-(ops/fleet/capacity.py); --out writes fleet.json and fleet.png there.
+(ops/fleet/capacity.py): as measured, and with each master's capacity scaled to the few events per
+round trip that a fleet on that many masters sends each (Redis's CPU per fenced write by pipeline
+size, measured on a node of its own: ops/fleet/round_trips.py); --out writes fleet.json and
+fleet.png there.
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ops.demo import redis_at
 from ops.fleet.capacity import summarize
 from ops.fleet.nodes import TOPOLOGIES, topology
 from ops.fleet.plots import plot
 from ops.fleet.ramp import RampOptions, ramp
+from ops.fleet.round_trips import SCRIPTS_PER_SIZE, measure as measure_round_trips
 from ops.fleet.report import step_line, steps_table, summary_table
 from ops.fleet.scenario import QUICK, Scenario
 from ops.tool import run_tool
 
+QUICK_ROUND_TRIP_SCRIPTS = 1_000  # per pipeline size and round, with --quick
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +85,10 @@ def measure(console: Console, args: argparse.Namespace, scenario: Scenario) -> N
             with topology(kind, directory, args.node_cpu, console) as nodes:
                 ramps[kind] = ramp(nodes, scenario, options, directory, lambda step: console.print(step_line(step)))
             console.print(steps_table(kind, ramps[kind]))
-    summary = summarize(ramps, scenario, args.fleet_workers)
+        with redis_at(None, Path(scratch), console) as url:  # after the ramps: nothing else runs meanwhile
+            console.print("[bold]round trips:[/] Redis's CPU per fenced write, by scripts per pipeline ...")
+            round_trips = measure_round_trips(url, QUICK_ROUND_TRIP_SCRIPTS if args.quick else SCRIPTS_PER_SIZE)
+    summary = summarize(ramps, scenario, args.fleet_workers, round_trips)
     console.print(summary_table(summary))
     figures = {"scenario": vars(scenario) | {"cost": vars(scenario.cost)}, "node_cpu": args.node_cpu,
                "steps": {kind: [step.as_json() for step in steps] for kind, steps in ramps.items()},

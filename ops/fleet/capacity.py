@@ -13,13 +13,16 @@
   consumers' own processes, their CPU per event delivered (they also submit every request).
 - The fleet: `fleet_workers` x sequences x 50 steps/s token events (the issue's fleet figure), over
   a cluster master's capacity (the 3-master cluster's, else the first topology's): all of its core,
-  or half of it for the latency measured at half.
+  or half of it for the latency measured at half. Then again with each event's write costed at the
+  fleet's own events per round trip (round_trips.py): a fleet on a hundred masters or more
+  sends each of them pipelines of one or two events, not the twenty of three masters.
 """
 
 from __future__ import annotations
 
 import math
 
+from ops.fleet.round_trips import RoundTripCost, events_per_round_trip, masters_needed
 from ops.fleet.scenario import Scenario
 from ops.fleet.step import Step
 
@@ -45,7 +48,7 @@ def consumers_share_of_redis(steps: list[Step]) -> float | None:
     return round(1 - without / with_them, 3) if with_them and without else None
 
 
-def summarize(ramps: dict[str, list[Step]], scenario: Scenario, fleet_workers: int) -> dict:
+def summarize(ramps: dict[str, list[Step]], scenario: Scenario, fleet_workers: int, round_trips: RoundTripCost) -> dict:
     topologies = {}
     for kind, steps in ramps.items():
         at = capacity_step(steps)
@@ -68,7 +71,8 @@ def summarize(ramps: dict[str, list[Step]], scenario: Scenario, fleet_workers: i
             "ratio": round(cluster["events_per_s"] / found["events_per_s"], 2),
             "both_saturated": cluster["saturated"] and found["saturated"]}
             for kind, found in topologies.items() if kind != "cluster"}
-    per_core = (topologies.get("cluster") or next(iter(topologies.values())))["events_per_s_per_node_core"]
+    sized_on = topologies.get("cluster") or next(iter(topologies.values()))
+    per_core = sized_on["events_per_s_per_node_core"]
     events = fleet_workers * scenario.seqs_per_worker * FLEET_STEPS_PER_S
     followed = [step for steps in ramps.values() for step in steps if step.kind != "no consumers"]
     delivered = sum(step.events_per_s * step.window_s for step in followed)
@@ -82,4 +86,13 @@ def summarize(ramps: dict[str, list[Step]], scenario: Scenario, fleet_workers: i
         "consumer_cpu_us_per_event": round(1e6 * consumer_cpu_per_event, 1) if consumer_cpu_per_event else None,
         "consumer_cores": math.ceil(consumer_cpu_per_event * events) if consumer_cpu_per_event else None,
     }
+    if per_core:
+        seqs, measured_on = scenario.seqs_per_worker, sized_on["masters"]
+        at_capacity = masters_needed(events, per_core, measured_on, seqs, round_trips)
+        summary["fleet"]["round_trips"] = {
+            "redis_cpu_us_per_event": round_trips.measured_us,
+            "events_per_round_trip_measured": round(events_per_round_trip(seqs, measured_on), 2),
+            "events_per_round_trip_fleet": round(events_per_round_trip(seqs, at_capacity), 2),
+            "masters_at_capacity": at_capacity,
+            "masters_at_half_capacity": masters_needed(events, per_core, measured_on, seqs, round_trips, 0.5)}
     return summary

@@ -88,9 +88,10 @@ class Generators:
 
     def __enter__(self) -> Generators:
         try:
+            masters_slots = self.topology.masters_slots()
             for index in range(self.load_processes):
                 self.loads.append(Child(self.context, drive, (self.topology.url, self.topology.cluster, self.scenario,
-                                                              self.seed + index),
+                                                              masters_slots, self.seed + index),
                                         self.scratch / f"{self.topology.kind}-load-{index}.log"))
             for load in self.loads:
                 load.reply("ready", START_TIMEOUT_S)

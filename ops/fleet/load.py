@@ -24,6 +24,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from redis.crc import key_slot
+
 from producer import AsyncProducer, DoneEvent, ErrorEvent, ProducerError, TokenEvent
 
 from ops.fleet.child_log import log_to
@@ -34,14 +36,17 @@ STREAM_TIMEOUT_S = 120.0  # a request not finished by then counts as failed (a w
 DROP_WAIT_S = 5.0  # for the slots to cancel their requests, at their next event, before they are stopped
 
 
-def drive(redis_url: str, cluster: bool, scenario: Scenario, seed: int, log: Path, control: Connection) -> None:
+def drive(redis_url: str, cluster: bool, scenario: Scenario, masters_slots: list[list[tuple[int, int]]], seed: int,
+          log: Path, control: Connection) -> None:
     log_to(log)
-    asyncio.run(Load(redis_url, cluster, scenario, seed, control).run())
+    asyncio.run(Load(redis_url, cluster, scenario, masters_slots, seed, control).run())
 
 
 class Load:
-    def __init__(self, redis_url: str, cluster: bool, scenario: Scenario, seed: int, control: Connection) -> None:
+    def __init__(self, redis_url: str, cluster: bool, scenario: Scenario, masters_slots: list[list[tuple[int, int]]],
+                 seed: int, control: Connection) -> None:
         self.redis_url, self.cluster, self.scenario, self.control = redis_url, cluster, scenario, control
+        self.masters_slots = masters_slots
         self.producer: AsyncProducer | None = None
         self.rng = random.Random(seed)
         self.target = 0
@@ -89,7 +94,7 @@ class Load:
         while index < self.target:
             prompt, params = self.scenario.request(self.rng)
             try:
-                handle = await self.producer.submit(prompt_ids=prompt, params=params)
+                handle = await self.producer.submit(prompt_ids=prompt, params=params, request_id=self.request_id(index))
                 async with contextlib.aclosing(self.producer.stream(handle.id, timeout=STREAM_TIMEOUT_S)) as events:
                     async for event in events:
                         if isinstance(event, TokenEvent):
@@ -104,6 +109,20 @@ class Load:
                             return
             except (ProducerError, TimeoutError) as error:
                 self.failed(type(error).__name__)
+
+    def request_id(self, slot: int) -> str | None:
+        """On a cluster, an id whose keys are on the slot's master (slot number mod the masters), so that
+        every master holds an equal share of the requests in flight, as the tens of thousands of a
+        real fleet's spread by their ids' hashes; a few hundred requests spread that way would load
+        the busiest master a tenth or more above the mean, and a master is busiest at a time. On one
+        node, the producer's own id."""
+        if not self.masters_slots:
+            return None
+        ranges = self.masters_slots[slot % len(self.masters_slots)]
+        while True:
+            request_id = f"{self.rng.getrandbits(64):016x}"
+            if any(start <= key_slot(request_id.encode()) <= end for start, end in ranges):
+                return request_id
 
     async def drop_slots(self) -> None:
         """Every slot cancels its request and ends; one that hears no event meanwhile (its worker

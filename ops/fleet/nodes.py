@@ -61,6 +61,15 @@ class Topology:
     def sample(self) -> dict[str, NodeSample]:
         return {node.name: sample(node, self.caps) for node in self.nodes}
 
+    def masters_slots(self) -> list[list[tuple[int, int]]]:
+        """Each master's hash slot ranges (none on one node)."""
+        if not self.cluster:
+            return []
+        ranges: dict[bytes, list[tuple[int, int]]] = {}
+        for start, end, (_, _, node_id, *_), *_ in self.masters[0].client.execute_command("CLUSTER", "SLOTS"):
+            ranges.setdefault(node_id, []).append((start, end))
+        return list(ranges.values())
+
 
 # What --topologies names: one plain node, or a cluster of LocalCluster's kind (a replica each).
 CLUSTERS = {"cluster-1": OneMasterCluster, "cluster": LocalCluster}

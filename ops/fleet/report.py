@@ -68,4 +68,11 @@ def summary_table(summary: dict) -> Table:
                   f"{fleet['masters_at_capacity']} / {fleet['masters_at_half_capacity']}")
     table.add_row("consumers: CPU per event delivered (and cores for the fleet)",
                   f"{fleet['consumer_cpu_us_per_event']} us ({fleet['consumer_cores']})")
+    round_trips = fleet.get("round_trips")
+    if round_trips is not None:
+        table.add_row("Redis's CPU per fenced write, by scripts per pipeline",
+                      ", ".join(f"{size}: {us} us" for size, us in round_trips["redis_cpu_us_per_event"].items()))
+        table.add_row(f"masters needed at the fleet's {round_trips['events_per_round_trip_fleet']} events per round "
+                      f"trip (measured at {round_trips['events_per_round_trip_measured']}): at capacity / at half",
+                      f"{round_trips['masters_at_capacity']} / {round_trips['masters_at_half_capacity']}")
     return table

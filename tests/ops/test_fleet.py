@@ -1,6 +1,7 @@
 """ops/fleet briefly (--quick), on one node and on the cluster: synthetic workers on the real worker
 loop, producers and live consumers, every master capped; the JSON has every figure for each step and
-node, events flowed to the consumers through every master, and the summary sizes the fleet."""
+node, events flowed to the consumers through every master, and the summary sizes the fleet, as
+measured and at the fleet's own events per round trip."""
 
 import json
 import os
@@ -36,7 +37,13 @@ def test_a_quick_fleet_run_measures_one_node_and_the_cluster(tmp_path, capsys):
                 assert node["cpu_cores"] > 0 and node["commands_per_s"] > 0 and node["events_per_s"] > 0, (kind, node)
     summary = figures["summary"]
     assert set(summary["topologies"]) == {"node", "cluster"} and summary["scaling"]["cluster / node"]["ratio"] > 0
-    assert summary["fleet"]["events_per_s"] == 1000 * 64 * 50 and summary["fleet"]["masters_at_capacity"] >= 1
+    fleet = summary["fleet"]
+    assert fleet["events_per_s"] == 1000 * 64 * 50 and fleet["masters_at_capacity"] >= 1
+    round_trips = fleet["round_trips"]
+    assert set(round_trips["redis_cpu_us_per_event"]) == {"64", "21", "8", "4", "2", "1"}
+    assert all(us > 0 for us in round_trips["redis_cpu_us_per_event"].values())
+    assert round_trips["events_per_round_trip_measured"] == 21.33  # 64 sequences over the three masters
+    assert round_trips["events_per_round_trip_fleet"] < 21.33 and round_trips["masters_at_capacity"] >= 3
     assert (out / "fleet.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "fleet on one node" in printed and "fleet on a cluster of three masters" in printed and "capacity" in printed
