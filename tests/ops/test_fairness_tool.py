@@ -3,9 +3,12 @@
 
 import json
 
+import pytest
+
 from ops.fairness import main
 
 
+@pytest.mark.long
 def test_the_tool_runs_the_quiet_tenant_alone_fair_and_fifo_and_reports_each(tmp_path, capsys):
     out, plot = tmp_path / "fairness.json", tmp_path / "fairness.png"
     assert main(["--model", "random:llama", "--duration", "2", "--quiet-rate", "1.5", "--flood-factor", "10",

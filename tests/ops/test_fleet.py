@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(not os.access(CPU_CONTROLLER, os.W_OK),
                                 reason="the tool caps each Redis master's CPU with a cgroup: root only")
 
 
+@pytest.mark.long
 def test_a_quick_fleet_run_measures_one_node_and_the_cluster(tmp_path, capsys):
     out = tmp_path / "fleet"
     assert main(["--quick", "--topologies", "node,cluster", "--out", str(out)]) == 0

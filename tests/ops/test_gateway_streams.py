@@ -3,9 +3,12 @@ completes and the table has the memory and added-latency figures."""
 
 import json
 
+import pytest
+
 from ops.gateway_streams import main
 
 
+@pytest.mark.long
 def test_the_tool_opens_the_streams_and_reports_memory_and_added_latency(tmp_path, capsys):
     figures = tmp_path / "streams.json"
     assert main(["--streams", "30", "--max-tokens", "12", "--json", str(figures)]) == 0

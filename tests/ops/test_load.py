@@ -347,6 +347,7 @@ def test_a_sweep_end_to_end(tmp_path):
     assert (tmp_path / "load_curve.png").read_bytes().startswith(PNG)
 
 
+@pytest.mark.long
 def test_compare_runs_both_policies_and_the_fast_lane_saturated_and_not(tmp_path):
     # No --rate: the policies get half of the capacity the saturated static run measured.
     out = load("compare", *TINY, "--count", "10", "--saturated-rate", "40", "--fast-share", "0.3",

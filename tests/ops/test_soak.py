@@ -5,6 +5,7 @@ the drain each worker holds exactly its pinned blocks (none leaked), the report 
 import io
 import sys
 
+import pytest
 from rich.console import Console
 
 from ops.load.trace import generate
@@ -13,6 +14,7 @@ from ops.soak import SHARE, SHARED_PREFIX_TOKENS, run, shared_prefixes, tables
 DURATION_S, RATE = 10, 3.0
 
 
+@pytest.mark.long
 def test_a_ten_second_soak_completes_everything_and_leaks_no_kv_block():
     screen = Console(file=io.StringIO(), width=160)
     trace = generate(round(DURATION_S * RATE), RATE, seed=1, prompt_lengths="uniform:8,64",

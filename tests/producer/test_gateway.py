@@ -26,11 +26,13 @@ from producer.protocol import DoneEvent, Keys, SamplingParams, decode_event, FIE
 from producer.tenants import TenantRegistry
 from worker.heartbeat import worker_of
 from tests.conftest import private_redis
+from tests.waiting import START_TIMEOUT_S, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 TENANT = "team-a"
 KEYS = Keys()
 QUESTION = [{"role": "user", "content": "Name three colours."}]
+UNREACHABLE = (OSError, openai.APIError, redis.RedisError)  # a process not serving yet
 
 
 def free_port() -> int:
@@ -71,19 +73,6 @@ def http_get(url: str) -> tuple[int, dict]:
         return error.code, json.load(error)
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():
-                return
-        except (OSError, openai.APIError, redis.RedisError):
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out: {what}")
-        time.sleep(0.2)
-
-
 class Stack:
     def __init__(self, processes: Processes, redis_url: str, model_dir: Path) -> None:
         self.processes, self.redis_url, self.model_dir = processes, redis_url, model_dir
@@ -97,8 +86,8 @@ class Stack:
                                        "--name", name, "--heartbeat-interval", "0.5", "--reclaim-idle-ms", "1500",
                                        "--metrics-port", str(port), "--log-level", "warning", *extra)
         self.worker_metrics[name] = port
-        wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200, 120,
-                 f"worker {name} ready")
+        wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200, START_TIMEOUT_S,
+                 f"worker {name} ready", UNREACHABLE)
         return process
 
     def gateway(self, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -106,7 +95,7 @@ class Stack:
         process = self.processes.start(name, "producer.gateway", "--redis-url", self.redis_url, "--port", str(port),
                                        "--log-level", "warning", *extra)
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: http_get(f"{base}/healthz")[0] == 200, 60, f"gateway {name} up")
+        wait_for(lambda: http_get(f"{base}/healthz")[0] == 200, START_TIMEOUT_S, f"gateway {name} up", UNREACHABLE)
         return process, base + "/v1"
 
 
@@ -120,7 +109,7 @@ def stack(tmp_path_factory, model_dir):
             stack.api_key = TenantRegistry(stack.client, KEYS).add(TENANT).api_key
             stack.gateway_process, stack.base_url = stack.gateway("gateway")
             client = openai.OpenAI(base_url=stack.base_url, api_key=stack.api_key)
-            wait_for(lambda: client.models.list().data, 30, "a model listed")
+            wait_for(lambda: client.models.list().data, 30, "a model listed", UNREACHABLE)
             yield stack
         finally:
             processes.stop_all()
@@ -280,7 +269,7 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(stack, client, model_
             break
     stream.close()
     keys = KEYS.of(TENANT)
-    wait_for(lambda: worker_counter(stack, "w1", cancelled) == before + 1, 10, "the worker's cancelled counter")
+    wait_for(lambda: worker_counter(stack, "w1", cancelled) == before + 1, 10, "the worker's cancelled counter", UNREACHABLE)
     done = decode_event(stack.client.xrange(keys.replay(request_id))[-1][1][FIELD])
     assert isinstance(done, DoneEvent) and done.finish_reason == "cancelled" and done.usage.completion_tokens < 400
 
@@ -316,6 +305,7 @@ def holder(stack: Stack, keys: Keys, request_id: str) -> str | None:
     return None
 
 
+@pytest.mark.long
 def test_a_background_stream_resumes_on_another_gateway_after_sigkill_and_a_worker_kill(stack, model_dir, offline):
     """Read to sequence number N, SIGKILL that gateway, kill -9 the worker mid-generation, then
     `starting_after=N` on a second gateway: every later event once, none missing, and the text of
@@ -368,7 +358,7 @@ def test_no_ready_worker_a_full_queue_and_a_passed_deadline(stack, model_dir):
     stack.client.set(other.worker("fake"), json.dumps(looks_ready), ex=60)
     for lane in ("fast", "normal"):
         stack.client.xadd(other.of(TENANT).requests(lane), {FIELD: b"waiting"})
-    wait_for(lambda: http_get(url.removesuffix("/v1") + "/readyz")[0] == 200, 10, "the gateway sees a ready worker")
+    wait_for(lambda: http_get(url.removesuffix("/v1") + "/readyz")[0] == 200, 10, "the gateway sees a ready worker", UNREACHABLE)
     with pytest.raises(openai.RateLimitError) as full:
         client.chat.completions.create(**ask)
     assert full.value.response.headers["retry-after"] == "1" and full.value.body["code"] == "queue_full"
@@ -421,13 +411,13 @@ def test_the_gateway_role_serves_every_tenant_and_is_refused_the_rest(tmp_path, 
             _, base_url = stack.gateway("gateway", "--redis-password-file", str(tmp_path / "gateway.password"))
             for tenant, api_key in keys.items():
                 client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-                wait_for(lambda: client.models.list().data, 30, "a model listed")
+                wait_for(lambda: client.models.list().data, 30, "a model listed", UNREACHABLE)
                 reply = client.chat.completions.create(model=str(model_dir), messages=QUESTION, max_tokens=4)
                 assert reply.usage.completion_tokens == 4
                 assert operator.exists(KEYS.of(tenant).replay(reply.id))
                 queued = client.responses.create(model=str(model_dir), input="Hi", max_output_tokens=4,
                                                  background=True)
-                wait_for(lambda: client.responses.retrieve(queued.id).status == "incomplete", 30, "a response done")
+                wait_for(lambda: client.responses.retrieve(queued.id).status == "incomplete", 30, "a response done", UNREACHABLE)
         finally:
             processes.stop_all()
         gateway = redis.Redis.from_url(url, username=GATEWAY_USER, password=passwords[GATEWAY_USER])
@@ -455,6 +445,7 @@ def test_the_gateway_role_serves_every_tenant_and_is_refused_the_rest(tmp_path, 
 
 
 @pytest.mark.real_model
+@pytest.mark.long
 def test_the_bundled_model_answers_through_the_gateway_as_offline(tmp_path):
     from worker.llm import LLM
 
@@ -465,7 +456,7 @@ def test_the_bundled_model_answers_through_the_gateway_as_offline(tmp_path):
             stack.worker()
             _, base_url = stack.gateway("gateway", "--anonymous-tenant", "default")
             client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
-            wait_for(lambda: client.models.list().data, 30, "a model listed")
+            wait_for(lambda: client.models.list().data, 30, "a model listed", UNREACHABLE)
             streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
                 model="smollm2-135m", messages=QUESTION, max_tokens=24, temperature=0, stream=True))
         finally:
@@ -477,7 +468,7 @@ def test_the_bundled_model_answers_through_the_gateway_as_offline(tmp_path):
 def test_a_background_response_is_cancelled_and_a_plain_one_cannot_be(client, model_dir):
     running = client.responses.create(model=str(model_dir), input="Tell me a long story.", max_output_tokens=900,
                                       temperature=0, background=True)
-    wait_for(lambda: client.responses.retrieve(running.id).status == "in_progress", 30, "the response started")
+    wait_for(lambda: client.responses.retrieve(running.id).status == "in_progress", 30, "the response started", UNREACHABLE)
     cancelled = client.responses.cancel(running.id)
     assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
     assert 0 < len(cancelled.output_text) and cancelled.usage.output_tokens < 900

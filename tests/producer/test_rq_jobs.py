@@ -23,7 +23,7 @@ from producer.rq_worker import PromptStop
 from producer.protocol import LANES, Keys
 from tests.producer.fake_worker import running
 from tests.worker.conftest import greedy, make_worker, model, offline, prompts_of, run_until  # noqa: F401 (fixtures)
-from tests.worker.test_processes import wait_for
+from tests.waiting import wait_for
 
 SCRIPT = Path(sys.prefix) / "bin" / "streambatch-rq-worker"
 KEYS = Keys("sb")

@@ -18,7 +18,7 @@ from tests.conftest import private_redis
 from tests.producer.fake_worker import running
 from tests.producer.test_rq_jobs import (KEYS, SCRIPT, client, enqueued, finished, queue,  # noqa: F401 (fixtures)
                                          read_results, write_lines)
-from tests.worker.test_processes import wait_for
+from tests.waiting import wait_for
 
 REFUSED_FUNCTION = "UnknownJobFunction: this worker runs only streambatch's rq jobs"
 ATTACKER_MODULE = """\

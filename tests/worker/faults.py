@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from producer.connect import connect
 from producer.errors import EventsLost, ProtocolViolation, QueueFull, UnknownRequest
 from producer.protocol import (FIELD, GROUP, LANES, TERMINAL, DoneEvent, Event, SamplingParams, TokenEvent,
                                decode_event, decode_request)
+from tests.waiting import START_TIMEOUT_S, wait_for
 from worker.heartbeat import worker_of
 
 from .conftest import KEYS, MODEL, NUM_BLOCKS, offline, tokens_of
@@ -35,14 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENT_RETRY_S = 0.1  # a load client's pause before it tries Redis again
 LATE_CONSUMERS = 8  # threads that stream the requests not followed live, once the load stops
 SYSTEM_PROMPTS = [[(7 * i + 11 * k) % 480 + 2 for k in range(length)] for i, length in enumerate((32, 48, 40))]
-
-
-def wait_for(condition: Callable[[], object], timeout: float, message: str) -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, message
-        time.sleep(0.02)
-    return value
 
 
 # --- Redis ---------------------------------------------------------------------------------
@@ -155,7 +148,7 @@ class Workers:
         beat = json.loads(value)
         return beat["state"] == "ready" and beat["pid"] == self.processes[name].pid
 
-    def wait_ready(self, names: Iterable[str], timeout: float = 60) -> None:
+    def wait_ready(self, names: Iterable[str], timeout: float = START_TIMEOUT_S) -> None:
         names = list(names)
         wait_for(lambda: all(self.ready(name) for name in names), timeout, f"workers {names} did not start")
 

@@ -19,9 +19,9 @@ from producer import AsyncProducer, Producer
 from producer.connect import connect
 
 from ops.demo import free_port
+from tests.waiting import wait_for
 
 from .conftest import assert_numbered, backlog, greedy, offline, prompts_of, run_until
-from .faults import wait_for
 
 
 @pytest.fixture(params=["node", "cluster"])

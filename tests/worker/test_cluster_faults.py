@@ -21,9 +21,10 @@ import pytest
 from producer.connect import connect
 from producer.protocol import TERMINAL
 from tests.conftest import private_cluster
+from tests.waiting import wait_for
 
 from .conftest import KEYS
-from .faults import Load, Workers, check, expected_tokens, in_flight, mixed, replay, wait_for
+from .faults import Load, Workers, check, expected_tokens, in_flight, mixed, replay
 
 pytestmark = pytest.mark.timeout(600)
 RATE = 6.0  # requests per second: both workers busy, none overloaded
@@ -75,6 +76,7 @@ def owner(cluster, slot: int) -> dict:
     raise AssertionError(f"no live master serves slot {slot}")
 
 
+@pytest.mark.long
 def test_a_master_killed_mid_load_fails_over_and_a_worker_killed_meanwhile_is_reclaimed(tmp_path, model):
     with loaded(tmp_path, "f", "--max-deliveries", "100") as (cluster, workers, load, held):
         client = workers.client
@@ -117,6 +119,7 @@ def test_a_master_killed_mid_load_fails_over_and_a_worker_killed_meanwhile_is_re
     assert findings.completed + len(lost) == len(load.accepted), "every request ended, none hangs"
 
 
+@pytest.mark.long
 def test_a_live_slot_migration_of_in_flight_requests_loses_and_repeats_nothing(tmp_path, model):
     with loaded(tmp_path, "m") as (cluster, workers, load, held):
         client = workers.client

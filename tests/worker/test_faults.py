@@ -15,9 +15,11 @@ import time
 
 import pytest
 
+from tests.waiting import wait_for
+
 from .conftest import KEYS
 from .faults import (Load, RedisServer, Workers, check, dead_letters, expected_tokens, in_flight, mixed, replay,
-                     server_ms, token_times, wait_for)
+                     server_ms, token_times)
 
 PAUSE_MS = 10_000  # the whole 10 s: longer than a connection's 10 s reply timeout would allow a command
 RSS_GROWTH_KIB = 64 * 1024  # a worker's resident memory may grow this much over a test, no more
@@ -66,6 +68,7 @@ def report(title: str, findings=None, **figures) -> None:
             print(f"[{title}]   {problem}")
 
 
+@pytest.mark.long
 def test_twenty_kill_9_mid_batch_lose_and_repeat_nothing(aof_redis, workers, model):
     names = ("a", "b", "c")
     # Reclaims after kills raise the delivery count: keep the poison-pill limit out of the way.
@@ -130,6 +133,7 @@ def outage(aof_redis, names, crash: bool, tag: str, seed: int, down_s: float):
     return load, {request_id for ids in busy.values() for request_id in ids}, lost_bytes or 0, missing
 
 
+@pytest.mark.long
 def test_redis_restarted_with_sigterm_loses_nothing_acknowledged(aof_redis, workers, model):
     names = ("a", "b")
     group = workers(names)
@@ -145,6 +149,7 @@ def test_redis_restarted_with_sigterm_loses_nothing_acknowledged(aof_redis, work
     assert all(group.alive().values())
 
 
+@pytest.mark.long
 def test_redis_crash_losing_its_last_second_consumers_and_workers_recover(aof_redis, workers, model):
     names = ("a", "b")
     group = workers(names)
@@ -165,6 +170,7 @@ def test_redis_crash_losing_its_last_second_consumers_and_workers_recover(aof_re
     assert all(group.alive().values())
 
 
+@pytest.mark.long
 def test_client_pause_with_slow_consumers_loses_nothing_and_worker_memory_stays_bounded(aof_redis, workers, model):
     names = ("a", "b")
     group = workers(names)
@@ -193,6 +199,7 @@ def test_client_pause_with_slow_consumers_loses_nothing_and_worker_memory_stays_
     assert all(group.alive().values())
 
 
+@pytest.mark.long
 def test_a_worker_stopped_past_the_reclaim_time_is_fenced_off_then_serves_again(aof_redis, workers, model):
     group = workers(("a", "b"))
     client = aof_redis.client()

@@ -16,6 +16,7 @@ from msgspec.structs import replace
 
 from producer import Producer
 from producer.protocol import DoneEvent, Request
+from tests.waiting import START_TIMEOUT_S, wait_for
 from worker.config import DEFAULT_STALL_TIMEOUT_S
 from worker.engine.engine import Engine
 from worker.metrics import MAX_CONNECTIONS, Health, Metrics, QuietHandler
@@ -23,7 +24,7 @@ from worker.service import Worker
 
 from .conftest import KEYS, greedy, is_finished, replay, submit
 from .test_metrics import scrape
-from .test_processes import spawn, wait_for  # noqa: F401 (spawn: a fixture)
+from .test_processes import spawn  # noqa: F401 (a fixture)
 from .test_startup import config
 
 STARTING = "loading the engine (native kernels, model, KV cache)"
@@ -203,7 +204,7 @@ def test_idle_connections_hold_neither_more_threads_than_the_cap_nor_longer_than
 def test_after_sigterm_readyz_says_draining_while_healthz_stays_200_until_the_drain_ends(spawn, client, redis_url):
     port = free_port()
     worker = spawn("a", "--metrics-port", str(port), "--drain-timeout", "120")
-    wait_for(lambda: probe(port, "/readyz") == READY, timeout=60, message="worker did not become ready")
+    wait_for(lambda: probe(port, "/readyz") == READY, START_TIMEOUT_S, "worker did not become ready")
     submit(client, Request(id="long", prompt_ids=[5, 6, 7], params=greedy(1000)))
     wait_for(lambda: len(replay(client, "long")) >= 2, message="the request did not start")
 

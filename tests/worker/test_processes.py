@@ -4,12 +4,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
 
 import pytest
 
 from producer.protocol import FIELD, GROUP, Request, decode_event, decode_request
+from tests.waiting import START_TIMEOUT_S, wait_for
 from worker.heartbeat import worker_of
 
 from .conftest import (
@@ -41,13 +41,6 @@ def spawn(redis_url, tmp_path, launch):
     return start
 
 
-def wait_for(condition, timeout: float = 30.0, message: str = "timed out") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, message
-        time.sleep(0.02)
-
-
 def owners(client) -> dict[str, list[str]]:
     """Worker name -> ids of the requests whose entries it holds."""
     stream = KEYS.requests("normal")
@@ -58,9 +51,10 @@ def owners(client) -> dict[str, list[str]]:
     return held
 
 
+@pytest.mark.long
 def test_kill_9_mid_generation_the_other_worker_finishes_every_request_exactly_once(spawn, client, model):
     workers = {name: spawn(name, "--reclaim-idle-ms", "1500") for name in ("a", "b")}
-    wait_for(lambda: all(is_ready(client, name) for name in workers), message="workers did not start")
+    wait_for(lambda: all(is_ready(client, name) for name in workers), START_TIMEOUT_S, "workers did not start")
     listener = client.pubsub()
     listener.psubscribe(KEYS.tokens("*"))
     listener.get_message(timeout=1)
@@ -91,7 +85,7 @@ def test_kill_9_mid_generation_the_other_worker_finishes_every_request_exactly_o
 
 def test_a_started_worker_logs_each_start_up_phase_and_its_time(spawn, client, tmp_path):
     worker = spawn("a")
-    wait_for(lambda: is_ready(client, "a"), message="worker did not start")
+    wait_for(lambda: is_ready(client, "a"), START_TIMEOUT_S, "worker did not start")
     events = [json.loads(line) for line in (tmp_path / "a.log").read_text().splitlines() if line.startswith("{")]
     phases = [event["phase"] for event in events if event["event"] == "worker.phase"]
     assert phases[:2] == ["loading the native kernels", f"loading the model {MODEL}"]
@@ -104,9 +98,10 @@ def test_a_started_worker_logs_each_start_up_phase_and_its_time(spawn, client, t
     assert worker.wait(timeout=10) == 0
 
 
+@pytest.mark.long
 def test_sigterm_hands_the_unfinished_back_at_once_and_exits_0(spawn, client, model, make_worker):
     worker = spawn("a", "--drain-timeout", "0.3", "--reclaim-idle-ms", "60000")
-    wait_for(lambda: is_ready(client, "a"), message="worker did not start")
+    wait_for(lambda: is_ready(client, "a"), START_TIMEOUT_S, "worker did not start")
     prompts = prompts_of(2, seed=3)
     for i, prompt in enumerate(prompts):
         submit(client, Request(id=f"t{i}", prompt_ids=prompt, params=greedy(900)))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from producer.protocol import Request
+from tests.waiting import START_TIMEOUT_S, wait_for
 from worker.engine.parallel import EXIT_RANK_LOST
 
 from .conftest import (
@@ -31,7 +32,6 @@ from .conftest import (
     submit,
     tokens_of,
 )
-from .test_processes import wait_for
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def rank_pids(log: Path) -> list[int]:
 def test_rank_1_killed_mid_generation_ends_the_worker_and_another_finishes_its_requests(
         spawn, client, model, make_worker, tmp_path):
     worker = spawn("tp", "--reclaim-idle-ms", "1500")
-    wait_for(lambda: is_ready(client, "tp"), message="the tensor-parallel worker did not start")
+    wait_for(lambda: is_ready(client, "tp"), START_TIMEOUT_S, "the tensor-parallel worker did not start")
     (rank_1,) = rank_pids(tmp_path / "tp.log")
     ids, prompts = [f"tp{i}" for i in range(4)], prompts_of(4, seed=5)
     for request_id, prompt in zip(ids, prompts):
