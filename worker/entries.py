@@ -32,6 +32,12 @@ class Entry:
         return self.fields[FIELD] if FIELD in self.fields else msgspec.msgpack.encode(self.fields)
 
 
+def read_entries(reply) -> list[Entry]:
+    """An XREADGROUP's reply (as redis-py parses it) -> its entries."""
+    return [Entry(stream.decode(), entry_id.decode(), fields)
+            for stream, messages in reply or [] for entry_id, fields in messages]
+
+
 @dataclass(frozen=True)
 class Rejected:
     """An entry that is not a valid request; `request_id` when one could be read from it."""

@@ -21,7 +21,7 @@ from producer.connect import is_cluster
 from producer.protocol import GROUP, LANES, ErrorEvent, Keys, Lane, Request, ensure_group
 from worker.claims import Claim, Claims
 from worker.engine.engine import Engine
-from worker.entries import Entry, Rejected, decode_entry
+from worker.entries import Entry, Rejected, decode_entry, read_entries
 from worker.fair_intake import IntakeShares
 from worker.flight import engine_id
 from worker.metrics import Metrics
@@ -63,7 +63,8 @@ class Intake:
     def __init__(self, client, blocking, keys: Keys, streams: LaneStreams, consumer: str, replay_ttl: int,
                  claims: Claims, metrics: Metrics, log) -> None:
         """`blocking` is a connection whose reply timeout allows for the BLOCK reads' wait (on one
-        node; on a cluster, where no read blocks, the client itself)."""
+        node; on a cluster the client itself, the step's blocking reads having connections of their
+        own: cluster_reads.py)."""
         self.client, self.blocking, self.keys, self.consumer = client, blocking, keys, consumer
         self.streams, self.replay_ttl = streams, replay_ttl
         self.claims, self.metrics, self.log = claims, metrics, log
@@ -166,8 +167,8 @@ class Intake:
             return self._read_shares(0, waiting) if waiting is not None else []
         if block_ms is not None and not self.cluster:
             names = self.streams.names
-            return self._entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
-                                                          count=_share(room, len(names)), block=block_ms))
+            return read_entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
+                                                          count=read_count(room, len(names)), block=block_ms))
         entries = self._read_shares(room)
         if entries or block_ms is None:
             return entries
@@ -188,7 +189,7 @@ class Intake:
                 if tenant not in counts:
                     continue
                 for name in names:  # its shards share its count
-                    pipe.xreadgroup(GROUP, self.consumer, {name: ">"}, count=_share(counts[tenant], len(names)))
+                    pipe.xreadgroup(GROUP, self.consumer, {name: ">"}, count=read_count(counts[tenant], len(names)))
                     readers.append(tenant)
             asked.append((lane, counts, readers))
         if not any(readers for _, _, readers in asked):
@@ -198,16 +199,11 @@ class Intake:
         for lane, counts, readers in asked:
             got = Counter()
             for tenant in readers:
-                read = self._entries(next(replies))
+                read = read_entries(next(replies))
                 got[tenant] += len(read)
                 entries += read
             self.shares[lane].took(counts, got)
         return entries
-
-    @staticmethod
-    def _entries(reply) -> list[Entry]:
-        return [Entry(stream.decode(), entry_id.decode(), fields)
-                for stream, messages in reply or [] for entry_id, fields in messages]
 
     def ack(self, entries: Iterable[Entry], dead_letters: Iterable[tuple[Entry, str, str | None]] = (),
             fences: Iterable[str] = ()) -> None:
@@ -240,6 +236,6 @@ class Intake:
         pipe.execute()
 
 
-def _share(room: int, streams: int) -> int:
+def read_count(room: int, streams: int) -> int:
     """COUNT for each of `streams` read at once, so that together they bring about `room`."""
     return max(1, -(-room // max(streams, 1)))

@@ -483,6 +483,7 @@ class Worker:
         self.cancels.close()
         if self.intake.nudges is not None:
             self.intake.nudges.stop()
+        self.step_intake.close()
         self.intake.blocking.close()
         self.client.close()
         self.engine.close()

@@ -7,8 +7,10 @@ tenants' shares, the probe for quiet tenants) and then, on one node with room le
 read of every lane stream, which returns as soon as an entry comes (Redis hands each entry to one
 blocked reader: no herd) and which the step's end cuts short with CLIENT UNBLOCK; what a read
 brings is claimed at once and the thread reads again. An unblocked read takes nothing, so no entry
-is left in this worker's pending list unstarted. On a cluster, where no read blocks across
-nodes, the thread makes the pass only (at the step's start instead of after its end).
+is left in this worker's pending list unstarted. On a cluster, where no read spans nodes, the
+thread waits in a blocking read of each lane stream at once, on connections of their own
+(cluster_reads.py), and the step's end wakes it: it cuts its waiting reads short then and claims
+what came meanwhile.
 
 Nothing else uses the intake meanwhile: the main thread is in the engine, and the flights and
 engine requests that a claim is checked against are only read. What the thread raises is raised
@@ -24,18 +26,20 @@ from collections.abc import Container, Mapping
 import redis
 
 from producer.protocol import Lane
+from worker.cluster_reads import ClusterReads
 from worker.entries import Entry
-from worker.intake import Admission, Intake
+from worker.intake import Admission, Intake, read_count
 
 UNBLOCK_RETRY_S = 0.001  # between CLIENT UNBLOCKs sent while the thread is about to block
 
 
 class StepIntake:
     def __init__(self, intake: Intake, client, block_ms: int) -> None:
-        """`client` sends the CLIENT UNBLOCKs; `intake.blocking` must be a single-connection client
-        (its connection's id is what they name). `block_ms` bounds each blocking read all the same."""
+        """`client` sends the CLIENT UNBLOCKs; on one node `intake.blocking` must be a single-connection
+        client (its connection's id is what they name). `block_ms` bounds each blocking read all the same."""
         self.intake, self.client, self.block_ms = intake, client, block_ms
         self.blocks = not intake.cluster
+        self.cluster_reads = ClusterReads(client, intake.consumer, block_ms) if intake.cluster else None
         self._lock = threading.Lock()
         self._ending = False
         self._blocked = False  # the thread's read is (about to be) waiting in Redis
@@ -53,6 +57,8 @@ class StepIntake:
               waiting: Mapping[Lane, Container[str]]) -> TakeDuringStep:
         """Begin taking requests in (see `Intake.take` for the arguments); `finish` at the step's end."""
         self._ending = False
+        if self.cluster_reads is not None:
+            self.cluster_reads.begin()
         return TakeDuringStep(self, room, dict(held), in_engine, waiting)
 
     def end(self, thread: threading.Thread) -> None:
@@ -61,6 +67,10 @@ class StepIntake:
         when this returns or raises."""
         with self._lock:
             self._ending = True
+        if self.cluster_reads is not None:
+            self.cluster_reads.wake()  # the thread cuts its reads short itself
+            thread.join()
+            return
         failure = None  # Redis refused the unblock: the read ends by itself (block_ms), then this raises
         while thread.is_alive():
             with self._lock:
@@ -75,6 +85,10 @@ class StepIntake:
         thread.join()
         if failure is not None:
             raise failure
+
+    def close(self) -> None:
+        if self.cluster_reads is not None:
+            self.cluster_reads.close()
 
     def read_blocking(self, room: int) -> list[Entry] | None:
         """A blocking read, or None once the step has ended."""
@@ -107,6 +121,8 @@ class TakeDuringStep:
         try:
             self._admitted(intake.take(room, None, held, in_engine, waiting), held)
             room -= len(self.admitted)
+            if self.owner.cluster_reads is not None:
+                self._take_on_cluster(room, held, in_engine)
             while self.owner.blocks and room > 0:
                 entries = self.owner.read_blocking(room)
                 if entries is None:
@@ -115,6 +131,23 @@ class TakeDuringStep:
                 room -= admitted
         except BaseException as error:  # raised in the main thread at the step's end
             self.failure = error
+
+    def _take_on_cluster(self, room: int, held: dict[str, Entry], in_engine: Container[str]) -> None:
+        """Blocking reads of every lane stream until the room is spent or the step ends; then the
+        reads still waiting are cut short, and what they brought meanwhile is claimed too (a
+        little past the room, as one node's read of several streams may be)."""
+        intake, reads = self.owner.intake, self.owner.cluster_reads
+        woken = False
+        try:
+            while room > 0 and not woken:
+                streams = intake.streams.names
+                entries, woken = reads.read(streams, read_count(room, len(streams)))
+                if entries:
+                    room -= self._admitted(intake.admit(entries, held, in_engine), held)
+        finally:  # no read left waiting, even after a failure (what it brought is then reclaimed)
+            late = reads.cancel()
+        if late:
+            self._admitted(intake.admit(late, held, in_engine), held)
 
     def _admitted(self, admissions: list[Admission], held: dict[str, Entry]) -> int:
         """Keep `admissions`; each is held from now on (a second entry of its id is a duplicate)."""

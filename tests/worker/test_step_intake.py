@@ -5,18 +5,38 @@ the intake's thread fails the turn as a failed read did."""
 
 import time
 
+import pytest
 import redis
 
+from producer.connect import connect
 from producer.protocol import GROUP, LANES, Request
 from tests.worker.conftest import KEYS, greedy, offline, paced, submit, tokens_of, replay
+
+
+@pytest.fixture(params=["node", "cluster"])
+def backend(request):
+    """-> (a client, the worker's connection options), a clean database either way."""
+    cluster = request.param == "cluster"
+    url = request.getfixturevalue("cluster_url" if cluster else "redis_url")
+    client = connect(url, cluster=cluster)
+    yield client, {"redis_url": url, "redis_cluster": cluster}
+    client.close()
 
 
 def names(worker) -> set[str]:
     return {name.rpartition("/")[2] for name in worker.flights}
 
 
-def test_a_request_sent_during_a_step_is_claimed_during_it_and_starts_as_it_ends(make_worker, client, model):
-    worker = make_worker()
+def blocked_clients(client) -> int:
+    """Readers waiting in Redis, on every node."""
+    info = client.info("clients")
+    return sum(node["blocked_clients"] for node in info.values()) if "blocked_clients" not in info \
+        else info["blocked_clients"]
+
+
+def test_a_request_sent_during_a_step_is_claimed_during_it_and_starts_as_it_ends(make_worker, backend, model):
+    client, options = backend
+    worker = make_worker(**options)
     first, second = [5, 6, 7, 8], [9, 10, 11]
     submit(client, Request(id="first", prompt_ids=first, params=greedy(12)))
     worker.poll()
@@ -45,15 +65,16 @@ def test_a_request_sent_during_a_step_is_claimed_during_it_and_starts_as_it_ends
         offline(model, [first, second], [greedy(12), greedy(12)])
 
 
-def test_the_steps_end_cuts_the_blocking_read_short_and_leaves_nothing_unheld(make_worker, client):
-    worker = paced(make_worker(heartbeat_interval=5.0), step_s=0.02)  # its reads block for up to 1 s
+def test_the_steps_end_cuts_the_blocking_read_short_and_leaves_nothing_unheld(make_worker, backend):
+    client, options = backend
+    worker = paced(make_worker(heartbeat_interval=5.0, **options), step_s=0.02)  # its reads block for up to 1 s
     assert worker.config.block_ms == 1000
     submit(client, Request(id="long", prompt_ids=[5, 6, 7], params=greedy(40)))
     worker.poll()
     started = time.monotonic()
     for _ in range(10):
         worker.poll()
-        assert client.info("clients")["blocked_clients"] == 0
+        assert blocked_clients(client) == 0
     assert time.monotonic() - started < 5, "each step waited for its intake's read to time out"
     # a request sent between steps comes with the next one, and every pending entry is held
     submit(client, Request(id="late", prompt_ids=[8, 9], params=greedy(4)))
