@@ -26,11 +26,9 @@ from collections.abc import Container, Mapping
 import redis
 
 from producer.protocol import Lane
-from worker.cluster_reads import ClusterReads
+from worker.cluster_reads import UNBLOCK_RETRY_S, ClusterReads
 from worker.entries import Entry
 from worker.intake import Admission, Intake, read_count
-
-UNBLOCK_RETRY_S = 0.001  # between CLIENT UNBLOCKs sent while the thread is about to block
 
 
 class StepIntake:

@@ -10,6 +10,7 @@ import pytest
 import redis
 import structlog
 
+from producer.connect import is_cluster
 from producer.protocol import FIELD, LANES, TERMINAL, Keys, Request, SamplingParams, decode_event, encode
 from worker.claims import Claims
 from worker.config import WorkerConfig
@@ -124,6 +125,13 @@ def replay(client, request_id: str, keys: Keys = KEYS) -> list:
 def is_finished(client, request_id: str, keys: Keys = KEYS) -> bool:
     events = replay(client, request_id, keys)
     return bool(events) and isinstance(events[-1], TERMINAL)
+
+
+def blocked_clients(client) -> int:
+    """Readers waiting in Redis (on a cluster, on every master)."""
+    if is_cluster(client):
+        return sum(node["blocked_clients"] for node in client.info("clients", target_nodes=client.PRIMARIES).values())
+    return client.info("clients")["blocked_clients"]
 
 
 def is_ready(client, name: str) -> bool:

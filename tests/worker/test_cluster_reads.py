@@ -12,6 +12,8 @@ from producer.connect import connect
 from producer.protocol import GROUP, ensure_group
 from worker.cluster_reads import ClusterReads
 
+from .conftest import blocked_clients
+
 STREAMS = ["{a}requests", "{b}requests", "{c}requests"]
 BLOCK_MS = 5000
 
@@ -38,10 +40,6 @@ def make_reads(client):
         reads.close()
 
 
-def blocked(client) -> int:
-    return sum(node["blocked_clients"] for node in client.info("clients", target_nodes=client.PRIMARIES).values())
-
-
 def read_in_thread(reads: ClusterReads, count: int = 10) -> tuple[threading.Thread, list]:
     got = []
     thread = threading.Thread(target=lambda: got.append(reads.read(STREAMS, count)))
@@ -57,7 +55,7 @@ def test_an_entry_on_any_node_goes_to_one_of_two_readers_at_once(client, make_re
     first, second = make_reads("w1"), make_reads("w2")
     reading = [(reads, *read_in_thread(reads)) for reads in (first, second)]
     deadline = time.monotonic() + 10
-    while blocked(client) < 6:  # both readers, on all three nodes
+    while blocked_clients(client) < 6:  # both readers, on all three nodes
         assert time.monotonic() < deadline, "the reads did not all wait"
         time.sleep(0.005)
     sent = time.monotonic()
@@ -74,7 +72,7 @@ def test_an_entry_on_any_node_goes_to_one_of_two_readers_at_once(client, make_re
         thread.join(5)
     assert [got[0] for reads, _, got in reading if reads is still] == [([], True)]
     assert first.cancel() == [] and second.cancel() == []
-    assert blocked(client) == 0
+    assert blocked_clients(client) == 0
 
 
 def test_a_wake_up_returns_at_once_and_the_reads_cut_short_leave_nobody_blocked(client, make_reads):
@@ -86,7 +84,7 @@ def test_a_wake_up_returns_at_once_and_the_reads_cut_short_leave_nobody_blocked(
     thread.join(5)
     assert time.monotonic() - woken_at < 1 and got[0] == ([], True)
     assert reads.cancel() == []
-    assert blocked(client) == 0
+    assert blocked_clients(client) == 0
     reads.begin()  # the next step reads again, its wake-up forgotten
     client.xadd(STREAMS[2], {"n": "2"})
     entries, woken = reads.read(STREAMS, 10)

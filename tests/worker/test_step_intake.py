@@ -10,7 +10,7 @@ import redis
 
 from producer.connect import connect
 from producer.protocol import GROUP, LANES, Request
-from tests.worker.conftest import KEYS, greedy, offline, paced, submit, tokens_of, replay
+from tests.worker.conftest import KEYS, blocked_clients, greedy, offline, paced, submit, tokens_of, replay
 
 
 @pytest.fixture(params=["node", "cluster"])
@@ -25,13 +25,6 @@ def backend(request):
 
 def names(worker) -> set[str]:
     return {name.rpartition("/")[2] for name in worker.flights}
-
-
-def blocked_clients(client) -> int:
-    """Readers waiting in Redis, on every node."""
-    info = client.info("clients")
-    return sum(node["blocked_clients"] for node in info.values()) if "blocked_clients" not in info \
-        else info["blocked_clients"]
 
 
 def test_a_request_sent_during_a_step_is_claimed_during_it_and_starts_as_it_ends(make_worker, backend, model):
