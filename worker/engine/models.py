@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from . import huge_pages
 from .attention import ATTN_IMPLEMENTATION, default_backend, kv_cache_shapes
 from .config import AttentionBackend
 from .disk_cache import Phase, build_once, cache_dir, quiet
@@ -239,10 +240,13 @@ def allocate_kv_cache(
     backend: AttentionBackend | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_cache, v_cache), shaped by attention.kv_cache_shapes for `backend` (default: the
-    device's). Zero-filled so memory is really committed at start-up (no page faults, or OOM, mid-serving)."""
+    device's). Zero-filled so memory is really committed at start-up (no page faults, or OOM, mid-serving);
+    on the CPU, on huge pages where the system has them (huge_pages.py)."""
     dtype = parse_dtype(dtype, device) if dtype is not None else info.dtype
     k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, info.num_kv_heads, info.head_dim,
                                        backend or default_backend(device))
+    if torch.device(device).type == "cpu":
+        return [(huge_pages.zeros(k_shape, dtype), huge_pages.zeros(v_shape, dtype)) for _ in range(info.num_layers)]
     return [
         (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
         for _ in range(info.num_layers)
