@@ -109,5 +109,6 @@ def check(q, k_cache, v_cache, tables, seq_lens, scale) -> None:
         if error > tolerance:
             raise ValueError(f"paged_decode differs from SDPA by {error:.3g} (sequence {seq}, {length} tokens)")
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
