@@ -3,13 +3,18 @@ against the transformers modules they stand in for (layer_ops.py)."""
 
 import pytest
 import torch
+from torch import nn
 from transformers.activations import SiLUActivation
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaConfig, LlamaRMSNorm, LlamaRotaryEmbedding,
+                                                      apply_rotary_pos_emb)
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralConfig
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2Config
 
 from worker.engine import kernels, triton_layer_ops
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.layer_ops import GATED_MLPS, NORMS, NativeGatedMLP, NativeRMSNorm
+from worker.engine.layer_ops import GATED_MLPS, NORMS, SLIDING_WINDOWS, NativeAttention, NativeGatedMLP, NativeRMSNorm
+from worker.engine.linear import fuse_projections
 
 
 @pytest.fixture(params=["native", "triton"])
@@ -55,18 +60,70 @@ def test_silu_and_mul_is_the_gated_mlps_activation(rows, width, dtype, ops):
     torch.testing.assert_close(ops.silu_and_mul(x), expected, atol=0, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 9, 3, 64), (37, 4, 2, 16), (300, 2, 1, 128)])
+def test_rotary_is_apply_rotary_pos_emb(tokens, heads, kv_heads, head_dim, dtype, ops):
+    """Bit for bit in both dtypes: each product rounded, then their sum (no multiply-add in float32)."""
+    generator = torch.Generator().manual_seed(tokens)
+    qkv = (3 * torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)).to(dtype)
+    cos, sin = (torch.randn(1, tokens, head_dim, generator=generator).to(dtype) for _ in range(2))
+    q_heads = qkv[:, : heads * head_dim].view(1, tokens, heads, head_dim).transpose(1, 2)
+    k_heads = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(1, tokens, kv_heads, head_dim)
+    expected_q, expected_k = apply_rotary_pos_emb(q_heads, k_heads.transpose(1, 2), cos, sin)
+    q, k = ops.rotary(qkv, cos[0], sin[0], heads, kv_heads)
+    assert q.shape == (tokens, heads, head_dim) and k.shape == (tokens, kv_heads, head_dim) and q.dtype == dtype
+    torch.testing.assert_close(q, expected_q[0].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(k, expected_k[0].transpose(0, 1), atol=0, rtol=0)
+
+
+FAMILIES = {  # the attention module, and a config with GQA (Qwen2: q/k/v biases; Mistral: a sliding window)
+    LlamaAttention: LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2),
+    Qwen2Attention: Qwen2Config(hidden_size=96, num_attention_heads=6, num_key_value_heads=2),
+    MistralAttention: MistralConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(FAMILIES), ids=lambda family: family.__name__)
+def test_native_attention_is_the_modules_forward(family, dtype):
+    """The same attention function (SDPA here) given what each forward computes: the same output, bit
+    for bit, from the fused q/k/v GEMM and the one-pass rotary."""
+    assert set(FAMILIES) == set(SLIDING_WINDOWS)
+    config = FAMILIES[family]
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = nn.Module()
+    layer.self_attn = family(config, layer_idx=0).to(dtype).eval()
+    assert (layer.self_attn.q_proj.bias is not None) == (family is Qwen2Attention)
+    hidden = torch.randn(1, 21, config.hidden_size).to(dtype)
+    position_embeddings = LlamaRotaryEmbedding(config)(hidden, torch.arange(21)[None])
+    with torch.inference_mode():
+        expected, _ = layer.self_attn(hidden, position_embeddings=position_embeddings, attention_mask=None)
+        fuse_projections(layer)
+        native = NativeAttention(layer.self_attn, layer.self_attn.q_proj.group, kernels)
+        got, _ = native(hidden, position_embeddings=position_embeddings, attention_mask=None)
+    assert (native.num_heads, native.num_kv_heads) == (6, 2)
+    assert native.sliding_window == (8 if family is MistralAttention else None)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
 def test_refusals_are_clear_errors():  # the native kernels'; Triton's take what the engine hands them
     with pytest.raises(RuntimeError, match="silu_and_mul"):
         kernels.silu_and_mul(torch.randn(3, 5))
     with pytest.raises(RuntimeError, match="rms_norm"):
         kernels.rms_norm(torch.randn(3, 8), torch.randn(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="rotary"):
+        kernels.rotary(torch.randn(3, 5 * 8), torch.randn(3, 4), torch.randn(3, 4), 3, 1)  # cos/sin not [3, 8]
 
 
 @pytest.mark.parametrize("name", ["random:llama", "random:qwen2", "random:mistral"])
-def test_engine_swaps_every_norm_and_mlp_in_eager_mode(name):
+def test_engine_swaps_every_norm_mlp_and_attention_in_eager_mode(name):
     engine = Engine(EngineConfig.from_options(name, num_blocks=16))
     modules = list(engine.model.modules())
     layers = engine.model.config.num_hidden_layers
     assert sum(isinstance(m, NativeRMSNorm) for m in modules) == 2 * layers + 1
     assert sum(isinstance(m, NativeGatedMLP) for m in modules) == layers
-    assert not any(type(m) in NORMS + GATED_MLPS for m in modules)
+    attentions = [m for m in modules if isinstance(m, NativeAttention)]
+    assert len(attentions) == layers and [m.layer_idx for m in attentions] == list(range(layers))
+    assert {m.sliding_window for m in attentions} == {engine.info.sliding_window}
+    assert not any(type(m) in NORMS + GATED_MLPS + tuple(SLIDING_WINDOWS) for m in modules)

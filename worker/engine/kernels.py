@@ -112,6 +112,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return native().silu_and_mul(x.contiguous())
 
 
+def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+           kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary_pos_emb for the q and k heads of fused q/k/v rows qkv [tokens, (heads + 2 kv_heads) d],
+    with cos and sin [tokens, d]: q [tokens, heads, d] and k [tokens, kv_heads, d] in one pass."""
+    return native().rotary(qkv, cos.contiguous(), sin.contiguous(), heads, kv_heads)
+
+
 def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                          out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)

@@ -3,8 +3,9 @@ CPU (layer_ops.py swaps either in). On an H200 a 64-sequence decode step of the 
 spent 2.8 of its 9.5 ms in small unfused kernels, RMSNorm's eight a norm the most of them.
 
 Each kernel rounds where the module's ops round (LlamaRMSNorm: the normalized row to x's dtype,
-then its product with the weight; SiLU, then its product with up), computing in float32 between.
-One program a row: a layer's rows are a few thousand elements wide (BLOCK holds the whole row).
+then its product with the weight; SiLU, then its product with up; the rotary embedding: each of its
+two products, then their sum), computing in float32 between. One program a row (the rotary: a head
+of a token's row): a layer's rows are a few thousand elements wide (BLOCK holds the whole row).
 Under TRITON_INTERPRET=1 (the tests) they run on CPU tensors.
 """
 
@@ -49,6 +50,27 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, width, BLOCK: tl.constexpr, BF16: tl.co
     tl.store(out_ptr + row * width + columns, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, row_stride, heads, kv_heads, d, BLOCK: tl.constexpr,
+                   BF16: tl.constexpr):
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    columns = tl.arange(0, BLOCK)
+    inside = columns < d
+    half = d // 2
+    partner = tl.where(columns < half, columns + half, columns - half)
+    x = tl.load(qkv_ptr + token * row_stride + head * d + columns, mask=inside, other=0.0).to(tl.float32)
+    x_partner = tl.load(qkv_ptr + token * row_stride + head * d + partner, mask=inside, other=0.0).to(tl.float32)
+    rotated = tl.where(columns < half, -x_partner, x_partner)
+    cos = tl.load(cos_ptr + token * d + columns, mask=inside, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * d + columns, mask=inside, other=0.0).to(tl.float32)
+    out = _rounded(_rounded(x * cos, q_ptr, BF16) + _rounded(rotated * sin, q_ptr, BF16), q_ptr, BF16)
+    if head < heads:
+        tl.store(q_ptr + (token * heads + head) * d + columns, out.to(q_ptr.dtype.element_ty), mask=inside)
+    else:
+        tl.store(k_ptr + (token * kv_heads + head - heads) * d + columns, out.to(k_ptr.dtype.element_ty),
+                 mask=inside)
+
+
 def _warps(block: int) -> int:
     """A warp a 1,024 elements of the row, 4 to 16: a 14,336-wide MLP row stays out of local memory."""
     return min(16, max(4, block // 1024))
@@ -78,3 +100,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(rows,)](x, out, width, BLOCK=block, BF16=x.dtype == torch.bfloat16,
                                       num_warps=_warps(block))
     return out
+
+
+def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+           kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary_pos_emb for the q and k heads of fused q/k/v rows qkv [tokens, (heads + 2 kv_heads) d],
+    with cos and sin [tokens, d]: q [tokens, heads, d] and k [tokens, kv_heads, d] in one kernel."""
+    tokens, d = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads)
+    q, k = qkv.new_empty(tokens, heads, d), qkv.new_empty(tokens, kv_heads, d)
+    if tokens:
+        # No fused multiply-add: transformers rounds each product before the sum.
+        _rotary_kernel[(tokens, heads + kv_heads)](qkv, cos.contiguous(), sin.contiguous(), q, k, qkv.stride(0),
+                                                   heads, kv_heads, d, BLOCK=triton.next_power_of_2(d),
+                                                   BF16=qkv.dtype == torch.bfloat16, enable_fp_fusion=False)
+    return q, k

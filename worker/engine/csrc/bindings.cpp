@@ -13,6 +13,8 @@ torch::Tensor pack_linear_weight(torch::Tensor w, bool pairs);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                                int64_t heads, int64_t kv_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
@@ -22,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight);
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("rotary", &rotary);
 }
 
 TORCH_LIBRARY(streambatch, m) {

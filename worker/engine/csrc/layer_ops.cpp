@@ -3,6 +3,7 @@
 // conversion to float and back). Each gives what transformers' module computes, with its roundings:
 //   rms_norm:     weight * T(x * rsqrt(mean(x^2) + eps))        (LlamaRMSNorm: float sums)
 //   silu_and_mul: T(silu(gate)) * up, for [gate | up] rows      (LlamaMLP's act_fn(gate) * up)
+//   rotary:       T(T(x * cos) + T(rotate_half(x) * sin))      (apply_rotary_pos_emb, for q and k)
 // in float for float32 (only the sum of squares adds up in another order), and rounded to T where
 // the module's bf16 ops round.
 #include <torch/extension.h>
@@ -63,6 +64,32 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
   });
 }
 
+// Each token's q and k heads of the fused q/k/v GEMM's row, rotated by that token's cos and sin rows.
+template <typename T>
+void rotary_rows(const T* qkv, int64_t row_stride, const T* cos, const T* sin, T* q, T* k, int64_t tokens,
+                 int64_t heads, int64_t kv_heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(d), s(d), x(d), rotated(d), sum(d);
+    for (int64_t t = begin; t < end; ++t) {
+      to_float(cos + t * d, c.data(), d);
+      to_float(sin + t * d, s.data(), d);
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        T* out = h < heads ? q + (t * heads + h) * d : k + (t * kv_heads + h - heads) * d;
+        to_float(qkv + t * row_stride + h * d, x.data(), d);
+        for (int64_t i = 0; i < half; ++i) rotated[i] = -x[i + half], rotated[i + half] = x[i];
+        // The products are rounded (and, in float32, stored) before they are added: no multiply-add.
+        at::vec::map2([](Vec a, Vec b) { return a * b; }, sum.data(), x.data(), c.data(), d);
+        round_to(sum.data(), out, d);
+        at::vec::map2([](Vec a, Vec b) { return a * b; }, rotated.data(), rotated.data(), s.data(), d);
+        round_to(rotated.data(), out, d);
+        at::vec::map2([](Vec a, Vec b) { return a + b; }, sum.data(), sum.data(), rotated.data(), d);
+        from_float(sum.data(), out, d);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // x [..., n] contiguous, weight [n] of x's type -> the norm of each row, x's shape and type.
@@ -90,4 +117,26 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n ? x.numel() / (2 * n) : 0, n);
   });
   return out;
+}
+
+// qkv [tokens, (heads + 2 kv_heads) d] (rows may be strided), cos and sin [tokens, d] contiguous of its
+// type -> the rotated q [tokens, heads, d] and k [tokens, kv_heads, d], contiguous.
+std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                                int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && heads > 0 && kv_heads > 0 &&
+                  qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "rotary: qkv [tokens, (heads + 2 kv_heads) d] with contiguous rows");
+  const int64_t tokens = qkv.size(0), d = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(d % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == d &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "rotary: an even head size, and cos and sin [tokens, d] contiguous of qkv's type");
+  auto q = torch::empty({tokens, heads, d}, qkv.options());
+  auto k = torch::empty({tokens, kv_heads, d}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary", [&] {
+    rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.stride(0), cos.data_ptr<scalar_t>(),
+                          sin.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), tokens, heads,
+                          kv_heads, d);
+  });
+  return {q, k};
 }
