@@ -68,7 +68,8 @@ class NativeGatedMLP(nn.Module):
 class NativeAttention(nn.Module):
     """The attention module's forward (q/k/v, rotary embedding, the model's attention function, o_proj)
     from the fused q/k/v GEMM's output as it lies, [q heads | k heads | v heads] per row, q and k rotated
-    in one pass. Only on the engine's paged attention: it brings its own KV cache (no Cache object)."""
+    in one pass. Swapped in on the engine's paged attention only, which brings its own KV cache (no
+    transformers Cache object)."""
 
     def __init__(self, attention: nn.Module, qkv: FusedProjections, ops: ModuleType) -> None:
         super().__init__()
@@ -111,9 +112,9 @@ def _fused(module: nn.Module, names: tuple[str, ...]) -> FusedProjections | None
     if not all(isinstance(part, ProjectionSlice) for part in slices):
         return None
     group = slices[0].group
-    in_order = [part.index for part in slices] == list(range(len(names)))
-    return group if all(part.group is group for part in slices) and in_order and len(group.sizes) == len(names) \
-        else None
+    if any(part.group is not group for part in slices) or len(group.sizes) != len(names):
+        return None
+    return group if [part.index for part in slices] == list(range(len(names))) else None
 
 
 def use_native_layer_ops(model: nn.Module, ops: ModuleType) -> int:
