@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
+from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaConfig, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralConfig
@@ -83,28 +84,41 @@ FAMILIES = {  # the attention module, and a config with GQA (Qwen2: q/k/v biases
 }
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", list(FAMILIES), ids=lambda family: family.__name__)
-def test_native_attention_is_the_modules_forward(family, dtype):
-    """The same attention function (SDPA here) given what each forward computes: the same output, bit
-    for bit, from the fused q/k/v GEMM and the one-pass rotary."""
+def test_native_attention_is_the_modules_forward(family, dtype, implementation):
+    """The same attention function given what each forward computes, a prompt then a token on a
+    transformers Cache (HF generate on the engine's model: ops/bench_gpu.py): the same outputs, bit for
+    bit, from the fused q/k/v GEMM and the one-pass rotary."""
     assert set(FAMILIES) == set(SLIDING_WINDOWS)
     config = FAMILIES[family]
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = implementation
     torch.manual_seed(0)
     layer = nn.Module()
     layer.self_attn = family(config, layer_idx=0).to(dtype).eval()
     assert (layer.self_attn.q_proj.bias is not None) == (family is Qwen2Attention)
-    hidden = torch.randn(1, 21, config.hidden_size).to(dtype)
-    position_embeddings = LlamaRotaryEmbedding(config)(hidden, torch.arange(21)[None])
+    hidden = torch.randn(1, 22, config.hidden_size).to(dtype)
+    rotary = LlamaRotaryEmbedding(config)
+
+    def prompt_then_token(attention):
+        cache, outputs = DynamicCache(config=config), []
+        for start, end in ((0, 21), (21, 22)):
+            position_embeddings = rotary(hidden, torch.arange(start, end)[None])
+            out, _ = attention(hidden[:, start:end], position_embeddings=position_embeddings, attention_mask=None,
+                               cache=cache)
+            outputs.append(out)
+        return outputs
+
     with torch.inference_mode():
-        expected, _ = layer.self_attn(hidden, position_embeddings=position_embeddings, attention_mask=None)
+        expected = prompt_then_token(layer.self_attn)
         fuse_projections(layer)
         native = NativeAttention(layer.self_attn, layer.self_attn.q_proj.group, kernels)
-        got, _ = native(hidden, position_embeddings=position_embeddings, attention_mask=None)
+        got = prompt_then_token(native)
     assert (native.num_heads, native.num_kv_heads) == (6, 2)
     assert native.sliding_window == (8 if family is MistralAttention else None)
-    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    for got_out, expected_out in zip(got, expected, strict=True):
+        torch.testing.assert_close(got_out, expected_out, atol=0, rtol=0)
 
 
 def test_refusals_are_clear_errors():  # the native kernels'; Triton's take what the engine hands them

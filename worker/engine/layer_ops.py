@@ -18,11 +18,13 @@ has made q, k and v one GEMM, for models on the engine's paged attention.
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
+from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
@@ -66,10 +68,11 @@ class NativeGatedMLP(nn.Module):
 
 
 class NativeAttention(nn.Module):
-    """The attention module's forward (q/k/v, rotary embedding, the model's attention function, o_proj)
-    from the fused q/k/v GEMM's output as it lies, [q heads | k heads | v heads] per row, q and k rotated
-    in one pass. Swapped in on the engine's paged attention only, which brings its own KV cache (no
-    transformers Cache object)."""
+    """The attention module's forward (q/k/v, rotary embedding, a transformers Cache if given, the
+    model's attention function, o_proj) from the fused q/k/v GEMM's output as it lies, [q heads | k heads
+    | v heads] per row, q and k rotated in one pass. Swapped in where the model runs on the engine's
+    paged attention; a caller that switches the model to another attention or passes a Cache (as
+    ops/bench_gpu.py's check against HF generate does) gets what transformers' forward gives."""
 
     def __init__(self, attention: nn.Module, qkv: FusedProjections, ops: ModuleType) -> None:
         super().__init__()
@@ -81,16 +84,15 @@ class NativeAttention(nn.Module):
         self.scaling = attention.scaling
         self.head_dim = attention.head_dim
         self.sliding_window = SLIDING_WINDOWS[type(attention)](attention)
+        self.eager_attention = sys.modules[type(attention).__module__].eager_attention_forward  # the family's own
         # this rank's heads, when tensor parallelism split them (sharding.py)
         self.num_heads, self.num_kv_heads = qkv.sizes[0] // self.head_dim, qkv.sizes[1] // self.head_dim
         self.num_key_value_groups = self.num_heads // self.num_kv_heads  # read by transformers' attention functions
         self.ops = ops
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None = None, cache: object | None = None,
-                **kwargs) -> tuple[torch.Tensor, None]:
-        if cache is not None:
-            raise ValueError("NativeAttention runs on the engine's paged KV cache, not on a transformers Cache")
+                attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         lead = hidden_states.shape[:-1]
         qkv = self.fused_q_k_v.fused(hidden_states)
         qkv = qkv.view(-1, qkv.shape[-1])
@@ -99,10 +101,13 @@ class NativeAttention(nn.Module):
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
         # [batch, heads, T, d] views, as transformers' forward hands them over
         query, key, value = (x.reshape(*lead, -1, self.head_dim).transpose(1, 2) for x in (q, k, v))
-        attention_function = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        out, _ = attention_function(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                                    sliding_window=self.sliding_window, **kwargs)
-        return self.o_proj(out.reshape(*lead, -1).contiguous()), None
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                   self.eager_attention)
+        out, weights = attention_function(self, query, key, value, attention_mask, dropout=0.0,
+                                          scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
+        return self.o_proj(out.reshape(*lead, -1).contiguous()), weights
 
 
 def _fused(module: nn.Module, names: tuple[str, ...]) -> FusedProjections | None:
