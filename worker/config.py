@@ -120,11 +120,13 @@ ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bf
                 "itl_slo_ms": "a ceiling on running requests' inter-token latency, in ms: a step with decodes takes "
                               "only the prefill tokens that the engine's step cost model, fitted at start-up and "
                               "while serving, says keep it under (the fast lane's first)",
-                "compile": "torch.compile the model forward. Measured on 2-core CPUs, SmolLM2-135M fp32: against eager "
-                           "1.01x tokens/s on mixed work, 1.09x on chat, 1.17x on long prompts (AVX-512; another day "
-                           "0.94x on mixed), 1.09-1.15x on mixed work on AVX2; the first start compiles for about "
-                           "2.5 minutes, a restart finds the compiled code in 20 s (kept in inductor/ of the "
-                           "streambatch cache unless TORCHINDUCTOR_CACHE_DIR says otherwise) against 8 s eager",
+                "compile": "torch.compile the model forward. It pays on some CPUs and not on others (SmolLM2-135M, "
+                           "2 cores, mixed, long and chat work): on a Zen 5 compiled ran 1.1-1.3x eager's tokens/s "
+                           "in fp32 and 1.2-1.5x in bf16, on an AMX Xeon 0.67-0.77x in fp32 and 0.63-0.66x in bf16 "
+                           "(there our eager layer ops, rotary and GEMM prefetch win); measure with "
+                           "ops.bench_vs_vllm --modes eager,compiled. The first start compiles for about 2.5 "
+                           "minutes, a restart finds the compiled code in 20 s (kept in inductor/ of the streambatch "
+                           "cache unless TORCHINDUCTOR_CACHE_DIR says otherwise) against 8 s eager",
                 "tensor_parallel": "split the model across this many ranks, one process and device each (rank r on "
                                    "cuda:r); --kv-cache-memory is per rank"}
 ENGINE_OPTIONS: dict[str, msgspec.structs.FieldInfo] = {
