@@ -14,7 +14,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2Config
 from worker.engine import kernels, triton_layer_ops
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.layer_ops import GATED_MLPS, NORMS, SLIDING_WINDOWS, NativeAttention, NativeGatedMLP, NativeRMSNorm
+from worker.engine.layer_ops import ATTENTIONS, GATED_MLPS, NORMS, NativeAttention, NativeGatedMLP, NativeRMSNorm
 from worker.engine.linear import fuse_projections
 
 
@@ -91,7 +91,7 @@ def test_native_attention_is_the_modules_forward(family, dtype, implementation):
     """The same attention function given what each forward computes, a prompt then a token on a
     transformers Cache (HF generate on the engine's model: ops/bench_gpu.py): the same outputs, bit for
     bit, from the fused q/k/v GEMM and the one-pass rotary."""
-    assert set(FAMILIES) == set(SLIDING_WINDOWS)
+    assert set(FAMILIES) == set(ATTENTIONS)
     config = FAMILIES[family]
     config._attn_implementation = implementation
     torch.manual_seed(0)
@@ -140,4 +140,4 @@ def test_engine_swaps_every_norm_mlp_and_attention_in_eager_mode(name):
     attentions = [m for m in modules if isinstance(m, NativeAttention)]
     assert len(attentions) == layers and [m.layer_idx for m in attentions] == list(range(layers))
     assert {m.sliding_window for m in attentions} == {engine.info.sliding_window}
-    assert not any(type(m) in NORMS + GATED_MLPS + tuple(SLIDING_WINDOWS) for m in modules)
+    assert not any(type(m) in NORMS + GATED_MLPS + tuple(ATTENTIONS) for m in modules)

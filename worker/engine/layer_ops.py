@@ -9,8 +9,8 @@ Ours do each in one pass, with the modules' own roundings (tests/engine/test_lay
 them to them).
 Their attention modules' rotary embedding (apply_rotary_pos_emb) is seven ops for q and seven for k
 (two products, a negation, two slices, a concatenation and a sum each), on strided views of the q/k/v
-GEMM's output: ours rotates both in one pass over that output (float32 at 512 tokens: 1.4 ms a layer
-there, most of it in the products' broadcasts).
+GEMM's output: ours rotates both in one pass over that output (float32 at 512 tokens on a 2-core AMX
+Xeon: 1.4 ms a layer against 95 us).
 Swapped in: the RMSNorms of the families the engine serves (Llama, Mistral, Qwen2), their MLPs whose
 act_fn is SiLU once fuse_projections has made gate and up one GEMM, and their attention modules once it
 has made q, k and v one GEMM, for models on the engine's paged attention.
@@ -35,8 +35,8 @@ from worker.engine.linear import FusedProjections, ProjectionSlice
 
 NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)  # weight * T(x * rsqrt(mean(x^2) + eps)), each
 GATED_MLPS = (LlamaMLP, MistralMLP, Qwen2MLP)  # down_proj(act_fn(gate_proj(x)) * up_proj(x)), each
-# Each family's sliding window, where its forward finds it.
-SLIDING_WINDOWS = {
+# Each family's attention module -> its sliding window, read where the module's forward reads it.
+ATTENTIONS = {
     LlamaAttention: lambda attention: None,
     MistralAttention: lambda attention: getattr(attention.config, "sliding_window", None),
     Qwen2Attention: lambda attention: attention.sliding_window,
@@ -83,7 +83,7 @@ class NativeAttention(nn.Module):
         self.is_causal = attention.is_causal
         self.scaling = attention.scaling
         self.head_dim = attention.head_dim
-        self.sliding_window = SLIDING_WINDOWS[type(attention)](attention)
+        self.sliding_window = ATTENTIONS[type(attention)](attention)
         self.eager_attention = sys.modules[type(attention).__module__].eager_attention_forward  # the family's own
         # this rank's heads, when tensor parallelism split them (sharding.py)
         self.num_heads, self.num_kv_heads = qkv.sizes[0] // self.head_dim, qkv.sizes[1] // self.head_dim
@@ -134,7 +134,7 @@ def use_native_layer_ops(model: nn.Module, ops: ModuleType) -> int:
                 gate_up = _fused(child, ("gate_proj", "up_proj"))
                 if gate_up is not None:
                     targets.append((parent, name, NativeGatedMLP(gate_up, child.down_proj, ops)))
-            elif type(child) in SLIDING_WINDOWS and child.config._attn_implementation == ATTN_IMPLEMENTATION:
+            elif type(child) in ATTENTIONS and child.config._attn_implementation == ATTN_IMPLEMENTATION:
                 qkv = _fused(child, ("q_proj", "k_proj", "v_proj"))
                 if qkv is not None:
                     targets.append((parent, name, NativeAttention(child, qkv, ops)))
