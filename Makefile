@@ -55,11 +55,12 @@ promtool:
 	$(call require,promtool,prometheus,{ systemctl disable --now prometheus >/dev/null 2>&1 || true; })
 
 # The suite on both cores (work stealing: a long file does not leave the other process idle at the
-# end), then the overload test alone (pytest -m campaign): it compares its workers' throughput
-# across a minute, which a neighbour would skew.
+# end), then the tests marked `alone` by themselves: they compare timings taken at different moments
+# (the overload test's throughput across a minute, the roofline's peaks against its run), which a
+# neighbour process would skew.
 test: prepare redis-server promtool
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not campaign and not compose"
-	$(BIN)/python -m pytest -q -m campaign tests/worker
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not alone and not compose"
+	$(BIN)/python -m pytest -q -m alone tests
 
 # The deployment for real (ops/compose_smoke.py): root, podman and podman-compose, about 10 minutes.
 compose-smoke: $(STAMP)

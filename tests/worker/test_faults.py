@@ -245,7 +245,7 @@ def served_tokens_per_s(times: list[tuple[int, int]], start_ms: int, end_ms: int
     return sum(count for at, count in times if start_ms <= at < end_ms) * 1000 / (end_ms - start_ms)
 
 
-@pytest.mark.campaign  # run alone (make test): it compares the workers' throughput over time
+@pytest.mark.alone  # it compares the workers' throughput over time
 def test_overload_refuses_or_serves_every_request_without_collapse(aof_redis, workers, model):
     names = ("a", "b")
     group = workers(names)
