@@ -58,8 +58,8 @@ import redis
 import yaml
 from rich.console import Console
 
-from ops.demo import DemoError, free_port
-from ops.tool import run_tool
+from ops.demo import free_port
+from ops.tool import ToolError, run_tool
 from producer import Producer
 from producer.acl import GATEWAY_USER, OPERATOR_USER, REPLICATOR_USER, SERVICE_USERS, WORKER_USER, tenant_user
 from producer.protocol import FIELD, GROUP, DoneEvent, Keys, SamplingParams, TokenEvent, decode_event, read_password
@@ -78,7 +78,7 @@ INDEX_PORT = 45120  # the package index's: a build argument, so a port new each 
 KEYS = Keys()
 
 
-class SmokeError(DemoError):
+class SmokeError(ToolError):
     """A step that did not hold (run_tool prints it as one line)."""
 
 

@@ -42,14 +42,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from ops.demo_view import CHAT_PROMPTS, summary, watch_prompts
+from ops.tool import ToolError, run_tool
 from producer import AsyncProducer
 from producer.connect import CLUSTER_ENV, add_cluster_flag, cluster_from_environment, connect
 from producer.protocol import DEFAULT_TENANT, Keys, redacted
 from producer.stats import parse_heartbeat
-
-
-class DemoError(Exception):
-    """A step of the demo failed; the message says which and what to do."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,16 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     use_cluster_option(parser, args)
     prompts = chosen_prompts(args.prompt, args.max_tokens)
     console = Console()
-    try:
-        run(console, redis_url=args.redis_url, name=args.name, stall_timeout=args.stall_timeout,
-            timeout=args.timeout, worker_command=[sys.executable, "-m", "worker", "--model", args.model],
-            prompts=prompts, gateway=True, serve=args.serve)
-    except DemoError as error:
-        console.print(f"[red]demo failed:[/] {escape(str(error))}")
-        return 1
-    except KeyboardInterrupt:  # what the demo started is stopped by now
-        return 130
-    return 0
+    return run_tool("demo", lambda: run(console, redis_url=args.redis_url, name=args.name,
+                                        stall_timeout=args.stall_timeout, timeout=args.timeout,
+                                        worker_command=[sys.executable, "-m", "worker", "--model", args.model],
+                                        prompts=prompts, gateway=True, serve=args.serve), console)
 
 
 def chosen_prompts(messages: list[str], max_tokens: int) -> list[tuple[str, str, dict]]:
@@ -107,8 +98,8 @@ def run(console: Console, *, redis_url: str | None, worker_command: list[str], n
             took = wait_until_ready(url, name, worker, log, stall_timeout, console)
             console.print(f"[bold]worker:[/] {name} is ready after {took:.1f} s; submitting {len(prompts)} prompts")
             watched, wall = asyncio.run(_watch_while_alive(url, worker, log, console, prompts, timeout))
-        except DemoError as error:
-            raise DemoError(f"{error}\nthe worker's whole log: {keep(log)}") from None
+        except ToolError as error:
+            raise ToolError(f"{error}\nthe worker's whole log: {keep(log)}") from None
         console.print()
         console.print(summary(watched, wall))
         if gateway:
@@ -140,7 +131,7 @@ def through_the_gateway(console: Console, stack: contextlib.ExitStack, redis_url
         while gateway.poll() is None:
             _check_alive(worker, scratch / "worker.log")
             time.sleep(1)
-        raise DemoError(f"the gateway exited; its last output:\n{last_lines(log)}")
+        raise ToolError(f"the gateway exited; its last output:\n{last_lines(log)}")
 
 
 def running_gateway(stack: contextlib.ExitStack, redis_url: str, scratch: Path) -> tuple[subprocess.Popen, str]:
@@ -155,7 +146,7 @@ def running_gateway(stack: contextlib.ExitStack, redis_url: str, scratch: Path) 
     deadline = time.monotonic() + 60
     while not _ready(base_url):
         if gateway.poll() is not None or time.monotonic() > deadline:
-            raise DemoError(f"the gateway did not start; its last output:\n{last_lines(log)}")
+            raise ToolError(f"the gateway did not start; its last output:\n{last_lines(log)}")
         time.sleep(0.2)
     return gateway, base_url
 
@@ -177,7 +168,7 @@ def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        raise DemoError("redis-server is not installed: run `make setup` (Debian package redis-server)")
+        raise ToolError("redis-server is not installed: run `make setup` (Debian package redis-server)")
     port = free_port()
     private = f"redis://127.0.0.1:{port}/0"
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -187,7 +178,7 @@ def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
         deadline = time.monotonic() + 10
         while not _answers(private):
             if process.poll() is not None or time.monotonic() > deadline:
-                raise DemoError(f"redis-server did not start on port {port}: "
+                raise ToolError(f"redis-server did not start on port {port}: "
                                 f"{process.stderr.read().decode(errors='replace').strip()}")
             time.sleep(0.05)
         why = "" if url is None else f" (nothing answers at {redacted(url)})"
@@ -246,7 +237,7 @@ def wait_until_ready(url: str, name: str, process: subprocess.Popen, log: Path, 
             if size != log_size:
                 log_size, last_progress = size, now
             if now - last_progress > stall_timeout:
-                raise DemoError(f"the worker made no progress for {stall_timeout:.0f} s (still {phase!r}); "
+                raise ToolError(f"the worker made no progress for {stall_timeout:.0f} s (still {phase!r}); "
                                 f"its last output:\n{last_lines(log)}\nRun `make setup` (it builds the kernels and "
                                 "converts the model ahead, with timings), or start the worker by hand to watch it: "
                                 "`.venv/bin/python -m worker --log-level debug`.")
@@ -276,12 +267,12 @@ async def _watch_while_alive(url: str, worker: subprocess.Popen, log: Path, cons
         try:
             return watching.result()
         except TimeoutError as error:
-            raise DemoError(f"{error}; the worker's last output:\n{last_lines(log)}") from None
+            raise ToolError(f"{error}; the worker's last output:\n{last_lines(log)}") from None
 
 
 def _check_alive(process: subprocess.Popen, log: Path) -> None:
     if process.poll() is not None:
-        raise DemoError(f"the worker exited with status {process.returncode}; its last output:\n"
+        raise ToolError(f"the worker exited with status {process.returncode}; its last output:\n"
                         f"{last_lines(log)}")
 
 

@@ -33,9 +33,9 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
-from ops.demo import DemoError, redis_at, redis_client, running_process, wait_until_ready
+from ops.demo import redis_at, redis_client, running_process, wait_until_ready
 from ops.percentile import percentile
-from ops.tool import run_tool
+from ops.tool import ToolError, run_tool
 from producer import AsyncProducer, SamplingParams, TokenEvent
 from producer.protocol import ErrorEvent, Keys
 from producer.tenants import TenantRegistry
@@ -121,7 +121,7 @@ async def _trace(url: str, args: argparse.Namespace, tenants: tuple[str, ...]) -
                     record.first_token = record.first_token if record.first_token is not None else now
                     record.tokens.append(now)
                 elif isinstance(event, ErrorEvent):
-                    raise DemoError(f"a {tenant} request failed: {event.code}: {event.message}")
+                    raise ToolError(f"a {tenant} request failed: {event.code}: {event.message}")
             record.finish = time.monotonic() - started
 
         await asyncio.gather(*(one(at, tenant) for at, tenant in arrivals))

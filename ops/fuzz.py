@@ -53,8 +53,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ops.demo import DemoError, redis_at
-from ops.tool import run_tool
+from ops.demo import redis_at
+from ops.tool import ToolError, run_tool
 from producer.protocol import (DEFAULT_TENANT, FIELD, GROUP, LANES, MAX_ENTRY_BYTES, MAX_MESSAGES, MAX_PROMPT_CHARS,
                                MAX_PROMPT_IDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS,
                                PROTOCOL_VERSION, REQUEST_ID, DoneEvent, ErrorEvent, Keys, Lane, SamplingParams, Tenant,
@@ -906,7 +906,7 @@ def run(console: Console, count: int, seed_value: int) -> None:
     for problem in report.problems[:SHOWN_PROBLEMS]:
         console.print(f"[red]problem:[/] {escape(problem)}")
     if report.problems:
-        raise DemoError(f"{len(report.problems)} problems (above, at most {SHOWN_PROBLEMS} of them)")
+        raise ToolError(f"{len(report.problems)} problems (above, at most {SHOWN_PROBLEMS} of them)")
 
 
 def main(argv: list[str] | None = None) -> int:

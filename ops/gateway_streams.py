@@ -39,9 +39,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from ops.demo import DemoError, redis_at, running_gateway, running_process, wait_until_ready
+from ops.demo import redis_at, running_gateway, running_process, wait_until_ready
 from ops.percentile import percentile
-from ops.tool import run_tool
+from ops.tool import ToolError, run_tool
 from producer import AsyncProducer, TokenEvent
 from producer.protocol import FIELD, decode_event
 
@@ -83,7 +83,7 @@ def measure(console: Console, args: argparse.Namespace) -> None:
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))
     if figures["failed"]:
-        raise DemoError(f"{figures['failed']} of {args.streams} streams failed")
+        raise ToolError(f"{figures['failed']} of {args.streams} streams failed")
 
 
 def _streams(base: str, redis_url: str, args: argparse.Namespace) -> dict:

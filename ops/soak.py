@@ -40,14 +40,13 @@ from pathlib import Path
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
-from rich.markup import escape
 from rich.table import Table
 
-from ops.demo import (DemoError, free_port, redis_at, redis_client, running_process, use_cluster_option,
-                      wait_until_ready)
+from ops.demo import free_port, redis_at, redis_client, running_process, use_cluster_option, wait_until_ready
 from ops.load.report import Percentiles, latencies, lane_report
 from ops.load.runner import RequestRecord, run as run_trace
 from ops.load.trace import TraceRequest, generate
+from ops.tool import ToolError, run_tool
 from producer import Producer
 from producer.connect import add_cluster_flag
 from producer.protocol import Keys
@@ -74,7 +73,7 @@ class SoakWorker:
             if line.startswith("{") and (event := json.loads(line)).get("event") == "worker.ready":
                 self.num_blocks = event["num_blocks"]
                 return
-        raise DemoError(f"worker {self.name} logged no worker.ready line")
+        raise ToolError(f"worker {self.name} logged no worker.ready line")
 
     def rss_at(self, at: float) -> int:
         """RSS at the first sample from `at` on (the last one if none is that late)."""
@@ -142,19 +141,16 @@ def main(argv: list[str] | None = None) -> int:
                      prompt_lengths=args.prompt_lengths, output_lengths=args.output_lengths,
                      fast_share=args.fast_share, shared_prefix_share=args.shared_prefix_share, num_prefixes=4,
                      shared_prefix_tokens=SHARED_PREFIX_TOKENS)
-    try:
-        soak = run(console, trace, redis_url=args.redis_url, workers=args.workers,
-                   worker_command=[sys.executable, "-m", "worker", "--model", args.model,
-                                   *shlex.split(args.worker_args)],
-                   duration=args.duration, drain_timeout=args.drain_timeout, stall_timeout=args.stall_timeout,
-                   pins=shared_prefixes(trace) if args.pin_prefixes else {})
-    except DemoError as error:
-        console.print(f"[red]soak failed:[/] {escape(str(error))}")
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    console.print(tables(soak))
-    return 0 if soak.ok else 1
+    def soak() -> None:
+        result = run(console, trace, redis_url=args.redis_url, workers=args.workers,
+                     worker_command=[sys.executable, "-m", "worker", "--model", args.model,
+                                     *shlex.split(args.worker_args)],
+                     duration=args.duration, drain_timeout=args.drain_timeout, stall_timeout=args.stall_timeout,
+                     pins=shared_prefixes(trace) if args.pin_prefixes else {})
+        console.print(tables(result))
+        if not result.ok:
+            raise ToolError("the table above says what did not hold")
+    return run_tool("soak", soak, console)
 
 
 def shared_prefixes(trace: list[TraceRequest]) -> dict[str, list[int]]:
@@ -189,7 +185,7 @@ def run(console: Console, trace: list[TraceRequest], *, redis_url: str | None, w
             kv = _drained_kv(producer, client, started, drain_timeout)
         for worker in started:
             if worker.process.poll() is not None:
-                raise DemoError(f"worker {worker.name} exited with status {worker.process.returncode} during the soak")
+                raise ToolError(f"worker {worker.name} exited with status {worker.process.returncode} during the soak")
         return Soak(result.requests, began, duration, started, kv, redis_memory)
 
 
@@ -245,13 +241,13 @@ def _drained_kv(producer: Producer, client: redis.Redis, workers: list[SoakWorke
         if idle:
             break
         if time.monotonic() > deadline:
-            raise DemoError(f"the workers did not drain within {timeout:.0f} s")
+            raise ToolError(f"the workers did not drain within {timeout:.0f} s")
         time.sleep(HEARTBEAT_INTERVAL_S / 2)
     drained_at, keys, kv = time.time(), Keys(), {}
     for worker in workers:
         while (beat := json.loads(client.get(keys.worker(worker.name)) or b"{}")).get("updated_at", 0) <= drained_at:
             if time.monotonic() > deadline:
-                raise DemoError(f"worker {worker.name} did not beat after the drain")
+                raise ToolError(f"worker {worker.name} did not beat after the drain")
             time.sleep(HEARTBEAT_INTERVAL_S / 4)
         kv[worker.name] = KvBlocks(worker.blocks(beat), _pinned_blocks(worker.metrics_url))
     return kv

@@ -12,14 +12,16 @@ import redis
 from rich.console import Console
 from rich.markup import escape
 
-from ops.demo import DemoError
+
+class ToolError(Exception):
+    """A step of a tool failed; the message says which and what to do."""
 
 
 def run_tool(name: str, action: Callable[[], None], console: Console) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop what it started, as on Ctrl-C
     try:
         action()
-    except (DemoError, ValueError, OSError, redis.RedisError) as error:
+    except (ToolError, ValueError, OSError, redis.RedisError) as error:
         console.print(f"[red]{name} failed:[/] {escape(str(error))}")
         return 1
     except KeyboardInterrupt:

@@ -13,12 +13,13 @@ import os
 import time
 from pathlib import Path
 
-from ops.demo import DemoError, last_lines
+from ops.demo import last_lines
 from ops.fleet.child_log import STACKS_SIGNAL
 from ops.fleet.load import drive
 from ops.fleet.nodes import Topology
 from ops.fleet.scenario import Scenario
 from ops.fleet.windows import HostWindow, LoadWindow
+from ops.tool import ToolError
 
 START_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 60.0  # a window's answer (the workers' one reads every admission's attempt key)
@@ -50,15 +51,15 @@ class Child:
             if self.process.is_alive():  # where it is stuck: its threads' stacks (child_log.py)
                 os.kill(self.process.pid, STACKS_SIGNAL)
                 time.sleep(0.5)
-            raise DemoError(f"{self.log.stem} did not answer within {timeout:.0f} s; its log:\n"
+            raise ToolError(f"{self.log.stem} did not answer within {timeout:.0f} s; its log:\n"
                             f"{last_lines(self.log, 60)}")
         try:
             kind, value = self.control.recv()
         except EOFError:
-            raise DemoError(f"{self.log.stem} ended (status {self.process.exitcode}); its log:\n"
+            raise ToolError(f"{self.log.stem} ended (status {self.process.exitcode}); its log:\n"
                             f"{last_lines(self.log)}") from None
         if kind == "error":
-            raise DemoError(f"{self.log.stem} could not start: {value}")
+            raise ToolError(f"{self.log.stem} could not start: {value}")
         assert kind == expect, (kind, expect)
         return value
 
@@ -66,7 +67,7 @@ class Child:
         if self.process.is_alive():
             try:
                 self.ask("stop", "stopped", STOP_TIMEOUT_S)
-            except (DemoError, OSError):
+            except (ToolError, OSError):
                 pass  # ended already, or wedged: killed below
         self.process.join(STOP_TIMEOUT_S)
         if self.process.is_alive():

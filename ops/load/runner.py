@@ -33,10 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.live import Live
 
-from ops.demo import DemoError, free_port, redis_at, running_process, wait_until_ready
+from ops.demo import free_port, redis_at, running_process, wait_until_ready
 from ops.demo_view import Watched
 from ops.load.progress import progress_view
 from ops.load.trace import TraceRequest, offered_rate
+from ops.tool import ToolError
 from producer import AsyncProducer, ProducerError, TokenEvent, pick_lane
 from producer.protocol import LANES
 
@@ -243,4 +244,4 @@ def private_deployment(worker_args: Sequence[str] = (), model: str = "smollm2-13
         console.print(f"[bold]worker:[/] ready after {took:.1f} s")
         yield url, f"http://127.0.0.1:{port}/metrics"
         if worker.poll() is not None:
-            raise DemoError(f"the worker exited with status {worker.returncode} during the run")
+            raise ToolError(f"the worker exited with status {worker.returncode} during the run")

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from ops.demo import DemoError
 from ops.fleet.child_log import log_to
 from ops.fleet.generators import Child
+from ops.tool import ToolError
 
 
 def stuck_in_a_call(log, control) -> None:
@@ -19,7 +19,7 @@ def stuck_in_a_call(log, control) -> None:
 def test_a_child_that_does_not_answer_is_reported_with_its_stack(tmp_path):
     child = Child(multiprocessing.get_context("fork"), stuck_in_a_call, (), tmp_path / "stuck.log")
     try:
-        with pytest.raises(DemoError) as raised:
+        with pytest.raises(ToolError) as raised:
             child.ask("window", "window", timeout=0.5)
     finally:
         child.process.kill()

@@ -10,9 +10,10 @@ import pytest
 import redis
 from rich.console import Console
 
-from ops.demo import DemoError, chosen_prompts, redis_at, run
+from ops.demo import chosen_prompts, redis_at, run
 from ops.demo_view import CHAT_PROMPTS, Watched, panels, summary
 from ops.percentile import percentile
+from ops.tool import ToolError
 from producer import DoneEvent
 from producer.protocol import Timings, Usage
 
@@ -56,7 +57,7 @@ def test_your_own_prompts_replace_the_demos():
 def test_a_worker_that_dies_while_loading_is_reported_with_its_output(redis_url):
     screen = console()
     dying = [sys.executable, "-c", "import sys; print('loading the model'); sys.exit('out of memory')"]
-    with pytest.raises(DemoError, match=r"(?s)exited with status 1.*loading the model.*out of memory"):
+    with pytest.raises(ToolError, match=r"(?s)exited with status 1.*loading the model.*out of memory"):
         run(screen, redis_url=redis_url, worker_command=dying, name="doomed", stall_timeout=30, timeout=5)
     assert f"using {redis_url}" in screen.file.getvalue()  # a Redis that answers is used as is
 
@@ -74,7 +75,7 @@ def test_a_slow_worker_that_shows_progress_is_waited_for(redis_url):
 
 def test_a_worker_that_makes_no_progress_fails_with_its_output_and_what_to_do(redis_url):
     stuck = [sys.executable, "-c", "import time; print('waiting on something', flush=True); time.sleep(60)"]
-    with pytest.raises(DemoError) as failure:
+    with pytest.raises(ToolError) as failure:
         run(console(), redis_url=redis_url, worker_command=stuck, name="quiet", stall_timeout=1, timeout=5)
     message = str(failure.value)
     assert "made no progress for 1 s (still 'starting (importing torch)')" in message
