@@ -2,7 +2,9 @@
 summary arithmetic on its own."""
 
 import io
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from ops.tool import ToolError
 from producer import DoneEvent
 from producer.protocol import Timings, Usage
 
+ROOT = Path(__file__).resolve().parents[2]
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py")), "--step-delay", "0.005"]
 
 
@@ -39,6 +42,24 @@ def test_the_demo_runs_end_to_end_and_cleans_up():
     url = re.search(r"private redis-server at (\S+)", out).group(1)
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()  # stopped on the way out
+
+
+def test_sigterm_stops_what_the_demo_started():
+    """As Ctrl-C does: `python -m ops.demo` terminated while its worker starts stops its private Redis and
+    says 130."""
+    demo = subprocess.Popen([sys.executable, "-m", "ops.demo", "--model", "random:llama"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ | {"COLUMNS": "200"})
+    try:
+        for line in demo.stdout:
+            if started := re.search(r"private redis-server at (\S+)", line):
+                demo.terminate()
+                break
+        assert demo.wait(timeout=60) == 130, demo.stdout.read()
+    finally:
+        demo.kill()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(started.group(1), socket_connect_timeout=1).ping()
 
 
 def test_your_own_prompts_replace_the_demos():
