@@ -12,9 +12,10 @@
 // Zen 5 (16 sequences of 600-1,800 tokens, 64 of 100-600; float32 and bf16; alternating builds). A bf16 cache's keys and
 // values widened in registers as they are read, not copied into a float tile first: 1.08-1.18x on
 // an AMX Xeon (and float32 1.10-1.15x, the same loops without that copy's branch), same shapes.
-// Prefetching into L2 two blocks ahead, a head's tile at a time, and only where the table jumps
-// (see prefetch_jump): on a Zen 4, 1.33-1.68x with a sequence's blocks in order or scattered, float32
-// and bf16, same shapes (python -m ops.bench_decode_attention measures it against the read bandwidth).
+// Prefetching into L2 two blocks ahead, a head's tile at a time (see prefetch_ahead): on a Zen 4, 1.33-1.68x
+// with a sequence's blocks in order or scattered, float32 and bf16, same shapes (python -m
+// ops.bench_decode_attention measures it against the read bandwidth). That was only where the table
+// jumps; every block since: on an AMX Xeon, blocks in order 1.13-1.23x (alternating runs), scattered on par.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -100,16 +101,16 @@ static inline void block_scores(const float* q, int64_t heads, const T* tile, fl
 // Blocks ahead of the one being read whose tiles are prefetched.
 constexpr int64_t kPrefetchAhead = 2;
 
-// Ask for one KV head's tile of block b + kPrefetchAhead to be brought into L2, where the table jumps
-// there: a block that follows its predecessor in memory is already streamed by the hardware
-// prefetcher, which cannot guess a jump. Into L2, not L1, and a tile per head's work rather than a
-// block at once: a burst of L1 prefetches fills the core's miss buffers and stalls the loads the
+// Ask for one KV head's tile of block b + kPrefetchAhead to be brought into L2: where the table jumps the
+// hardware prefetcher cannot guess it, and where blocks follow each other in memory an Intel core's stops at
+// every 4 KiB boundary (a float32 tile of SmolLM2's is 4 KiB). Into L2, not L1, and a tile per head's work rather
+// than a block at once: a burst of L1 prefetches fills the core's miss buffers and stalls the loads the
 // scores need (prefetching every next block into L1 was 1.3-1.6x slower on a Zen 4).
 template <typename T>
-static inline void prefetch_jump(const T* cache, const int64_t* table, int64_t b, int64_t num_blocks, int64_t run,
-                                 int64_t offset, int64_t n) {
+static inline void prefetch_ahead(const T* cache, const int64_t* table, int64_t b, int64_t num_blocks, int64_t run,
+                                  int64_t offset, int64_t n) {
   const int64_t ahead = b + kPrefetchAhead;
-  if (ahead >= num_blocks || table[ahead] == table[ahead - 1] + 1) return;
+  if (ahead >= num_blocks) return;
   const char* bytes = reinterpret_cast<const char*>(cache + table[ahead] * run + offset);
   for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(bytes + i, 0, 2);
 }
@@ -138,7 +139,7 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
       scores.resize(heads * padded);
       for (int64_t b = 0; b < num_blocks; ++b) {
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
-          prefetch_jump(k_cache, table, b, num_blocks, run, kv * tile, tile);
+          prefetch_ahead(k_cache, table, b, num_blocks, run, kv * tile, tile);
           block_scores(query.data() + kv * group * dim, group, k_cache + table[b] * run + kv * tile, scores.data() + kv * group * padded + b * block_size,
                        padded, dim, block_size, scale);
         }
@@ -150,7 +151,7 @@ static void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t
         const int64_t lo = std::max(skip, start) - start, hi = std::min(skip + n, start + block_size) - start;
         for (int64_t kv = 0; kv < kv_heads; ++kv) {
           const T* values = v_cache + table[b] * run + kv * tile;
-          prefetch_jump(v_cache, table, b, num_blocks, run, kv * tile, tile);
+          prefetch_ahead(v_cache, table, b, num_blocks, run, kv * tile, tile);
           for (int64_t h = kv * group; h < (kv + 1) * group; ++h)
             block_values(scores.data() + h * padded + start, values, lo, hi, acc.data() + h * dim, dim);
         }
