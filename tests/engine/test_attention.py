@@ -369,14 +369,15 @@ def test_native_prefill_attention_matches_masked_sdpa(block_size, dtype, dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_native_paged_decode_matches_sdpa(block_size, dtype):
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 64), (6, 3, 40), (10, 2, 80), (8, 1, 128)])
+def test_native_paged_decode_matches_sdpa(block_size, dtype, heads, kv_heads, dim):
     """csrc/paged_decode.cpp against SDPA over each sequence's gathered context: lengths shorter
     than a block, across blocks and ending mid-block, with and without a sliding window; block
     sizes under a vector's width (read in partial vectors) and over it; bf16 caches widened in
-    registers."""
+    registers; 1 to 8 query heads per KV head (the values' sums taken up to 4 heads at a time) and head
+    sizes that are not a whole number of vectors (SmolLM2's 9 on 3 of 64 first)."""
     if kernels.native() is None:
         pytest.fail("the native kernels did not build")
-    heads, kv_heads, dim = 9, 3, 64
     lens = torch.tensor([1, 5, block_size, block_size + 3, 200, 333])
     max_blocks = -(-int(lens.max()) // block_size)
     num_blocks = len(lens) * max_blocks + 3
