@@ -65,10 +65,49 @@ inline Vec load_float(const T* src, int64_t n = Vec::size()) {
   }
 }
 
+// acc[h][j] += sum over t in [t0, t1) of a[h * a_stride + t] * b[t * b_stride + j * V ..] (lanes[j] of
+// vector j, the rest 0): H x P independent accumulators held in registers, so that the FMA chains over t
+// overlap, and each of b's vectors loaded (and widened, for a narrower T) once for all H rows of a.
+template <int H, int P, typename T>
+inline void outer_products(const float* a, int64_t a_stride, const T* b, int64_t b_stride, int64_t t0, int64_t t1,
+                           const int64_t* lanes, Vec (&acc)[H][P]) {
+  for (int64_t t = t0; t < t1; ++t) {
+    Vec row[P];
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) row[j] = load_float(b + t * b_stride + j * Vec::size(), lanes[j]);
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) {
+      const Vec scalar(a[h * a_stride + t]);
+#pragma GCC unroll 8
+      for (int j = 0; j < P; ++j) acc[h][j] = at::vec::fmadd(scalar, row[j], acc[h][j]);
+    }
+  }
+}
+
+// acc[h * dim + x0 ..] (X vectors, lanes past dim left alone) += sum over rows j in [lo, hi) of
+// weights[h * stride + j] * values[j * dim + x0 ..], for H rows of weights (query heads or positions that
+// share the values): each row of values loaded once for all H.
+template <int H, int X, typename T = float>
+inline void tile_values(const float* weights, int64_t stride, const T* values, int64_t lo, int64_t hi, float* acc,
+                        int64_t dim, int64_t x0) {
+  int64_t lanes[X];
+  Vec sum[H][X];
+#pragma GCC unroll 8
+  for (int i = 0; i < X; ++i) lanes[i] = std::clamp<int64_t>(dim - x0 - i * Vec::size(), 0, Vec::size());
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+    for (int i = 0; i < X; ++i) sum[h][i] = Vec::loadu(acc + h * dim + x0 + i * Vec::size(), lanes[i]);
+  outer_products<H, X>(weights, stride, values + x0, dim, lo, hi, lanes, sum);
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+    for (int i = 0; i < X; ++i) sum[h][i].store(acc + h * dim + x0 + i * Vec::size(), lanes[i]);
+}
+
 // scores[h * stride + p] = scale * q_h . key[p] for H query heads of one KV head (q: H rows of
 // dim) and the positions p0 .. p0 + P * V of a transposed key tile [dim, block_size]: vectorized
-// across positions (no horizontal sums), H x P independent accumulators so that the FMA chains
-// over dim overlap, and each key vector loaded once for all H heads.
+// across positions (no horizontal sums).
 template <int H, int P, typename T = float>
 inline void tile_scores(const float* q, const T* tile, float* scores, int64_t stride, int64_t dim,
                         int64_t block_size, int64_t p0, float scale) {
@@ -79,17 +118,7 @@ inline void tile_scores(const float* q, const T* tile, float* scores, int64_t st
   for (int h = 0; h < H; ++h)
 #pragma GCC unroll 4
     for (int j = 0; j < P; ++j) acc[h][j] = Vec(0.f);
-  for (int64_t x = 0; x < dim; ++x) {
-    Vec keys[P];
-#pragma GCC unroll 4
-    for (int j = 0; j < P; ++j) keys[j] = load_float(tile + x * block_size + p0 + j * Vec::size(), lanes[j]);
-#pragma GCC unroll 8
-    for (int h = 0; h < H; ++h) {
-      const Vec query(q[h * dim + x]);
-#pragma GCC unroll 4
-      for (int j = 0; j < P; ++j) acc[h][j] = at::vec::fmadd(query, keys[j], acc[h][j]);
-    }
-  }
+  outer_products<H, P>(q, dim, tile + p0, block_size, 0, dim, lanes, acc);
   for (int h = 0; h < H; ++h)
     for (int j = 0; j < P; ++j)
       if (lanes[j] > 0) (acc[h][j] * Vec(scale)).store(scores + h * stride + p0 + j * Vec::size(), lanes[j]);

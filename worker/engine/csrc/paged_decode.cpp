@@ -29,49 +29,18 @@
 
 #include "attention_tiles.h"
 
-// For H query heads h (scores at weights + h * stride, sums at acc + h * dim): acc_h[x0 .. x0 + X * V) += sum
-// over the block's rows j in [lo, hi) of weights_h[j] * values[j * dim + x]. Each row's values are loaded
-// (and a bf16 cache's widened) once for the H heads that share them; the H * X sums stay in registers.
-template <int H, int X, typename T>
-static inline void chunk_values(const float* weights, int64_t stride, const T* values, int64_t lo, int64_t hi,
-                                float* acc, int64_t dim, int64_t x0) {
-  int64_t lanes[X];
-  Vec sum[H][X];
-#pragma GCC unroll 8
-  for (int i = 0; i < X; ++i) lanes[i] = std::clamp<int64_t>(dim - x0 - i * Vec::size(), 0, Vec::size());
-#pragma GCC unroll 4
-  for (int h = 0; h < H; ++h)
-#pragma GCC unroll 8
-    for (int i = 0; i < X; ++i) sum[h][i] = Vec::loadu(acc + h * dim + x0 + i * Vec::size(), lanes[i]);
-  for (int64_t j = lo; j < hi; ++j) {
-    Vec row[X];
-#pragma GCC unroll 8
-    for (int i = 0; i < X; ++i) row[i] = load_float(values + j * dim + x0 + i * Vec::size(), lanes[i]);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) {
-      const Vec weight(weights[h * stride + j]);
-#pragma GCC unroll 8
-      for (int i = 0; i < X; ++i) sum[h][i] = at::vec::fmadd(weight, row[i], sum[h][i]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int h = 0; h < H; ++h)
-#pragma GCC unroll 8
-    for (int i = 0; i < X; ++i) sum[h][i].store(acc + h * dim + x0 + i * Vec::size(), lanes[i]);
-}
-
 // Sums held in registers at once: with the row's X vectors and a broadcast, within the register file
 // (16 vectors with AVX2, 32 with AVX-512).
 constexpr int kSums = Vec::size() == 16 ? 16 : 8;
 
-// chunk_values over the whole head dimension, X vectors at a time (X = 1 .. kSums / H).
+// tile_values over the whole head dimension, X vectors at a time (X = 1 .. kSums / H).
 template <int H, typename T, int X = kSums / H>
 static inline void heads_values(const float* weights, int64_t stride, const T* values, int64_t lo, int64_t hi,
                                 float* acc, int64_t dim, int64_t x0) {
   if constexpr (X > 0) {
     const int64_t left = (dim - x0 + Vec::size() - 1) / Vec::size();
     if (left >= X) {
-      chunk_values<H, X>(weights, stride, values, lo, hi, acc, dim, x0);
+      tile_values<H, X>(weights, stride, values, lo, hi, acc, dim, x0);
       if (left > X) heads_values<H, T>(weights, stride, values, lo, hi, acc, dim, x0 + X * Vec::size());
     } else {
       heads_values<H, T, X - 1>(weights, stride, values, lo, hi, acc, dim, x0);

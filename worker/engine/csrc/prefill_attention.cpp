@@ -31,36 +31,6 @@ constexpr int64_t KT = KV4 * V;  // keys per tile
 constexpr int RB = V == 16 ? 4 : 2;
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
 
-// acc[r, x0 .. x0 + KV4 * V) += sum over keys j < n of p[r, j] * values[j, x0 ..], for R rows
-// (p [R, KT], acc [R, dim]); values [KT, dim]. Lanes past dim are left alone.
-template <int R>
-inline void tile_values(const float* p, const float* values, int64_t n, int64_t dim, int64_t x0, float* acc) {
-  int64_t lanes[KV4];
-  Vec sum[R][KV4];
-#pragma GCC unroll 4
-  for (int i = 0; i < KV4; ++i) lanes[i] = std::clamp<int64_t>(dim - x0 - i * V, 0, V);
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int i = 0; i < KV4; ++i) sum[r][i] = Vec::loadu(acc + r * dim + x0 + i * V, lanes[i]);
-  for (int64_t j = 0; j < n; ++j) {
-    Vec v[KV4];
-#pragma GCC unroll 4
-    for (int i = 0; i < KV4; ++i) v[i] = Vec::loadu(values + j * dim + x0 + i * V, lanes[i]);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const Vec w(p[r * KT + j]);
-#pragma GCC unroll 4
-      for (int i = 0; i < KV4; ++i) sum[r][i] = at::vec::fmadd(w, v[i], sum[r][i]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int i = 0; i < KV4; ++i)
-      if (lanes[i] > 0) sum[r][i].store(acc + r * dim + x0 + i * V, lanes[i]);
-}
-
 // The micro-kernels over `rows` rows, RB at a time (the last pass with fewer); scores: s[r, 0 .. KT)
 // = scale * q[r] . keys[:, 0 .. KT) for rows of q [rows, dim], keys transposed [dim, KT].
 template <int R = RB>
@@ -74,7 +44,7 @@ template <int R = RB>
 inline void values_rows(int64_t rows, const float* p, const float* values, int64_t n, int64_t dim, int64_t x0,
                         float* acc) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_values<R>(p, values, n, dim, x0, acc);
+    if (rows == R) return tile_values<R, KV4>(p, KT, values, 0, n, acc, dim, x0);
     values_rows<R - 1>(rows, p, values, n, dim, x0, acc);
   }
 }
