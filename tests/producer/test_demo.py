@@ -50,14 +50,17 @@ def test_sigterm_stops_what_the_demo_started():
     demo = subprocess.Popen([sys.executable, "-m", "ops.demo", "--model", "random:llama"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=os.environ | {"COLUMNS": "200"})
+    said, started = [], None
     try:
         for line in demo.stdout:
-            if started := re.search(r"private redis-server at (\S+)", line):
-                demo.terminate()
-                break
-        assert demo.wait(timeout=60) == 130, demo.stdout.read()
+            said.append(line)
+            if started is None and (started := re.search(r"private redis-server at (\S+)", line)):
+                demo.terminate()  # the rest of its output is still read
+        status = demo.wait(timeout=60)
     finally:
-        demo.kill()
+        if demo.poll() is None:
+            demo.kill()
+    assert started is not None and status == 130, "".join(said)
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(started.group(1), socket_connect_timeout=1).ping()
 
