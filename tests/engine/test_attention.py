@@ -396,3 +396,25 @@ def test_native_paged_decode_matches_sdpa(block_size, dtype, heads, kv_heads, di
                 enable_gqa=True)[0, :, 0]
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(out[i].float(), expected, atol=tolerance, rtol=0, msg=f"{length}, {window}")
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (6, 3, 40), (8, 1, 128)])
+def test_native_paged_decode_of_a_bf16_cache_is_the_float32_kernel_s_rounded(block_size, heads, kv_heads, dim):
+    """A bf16 cache takes its own path (two blocks' scores at a time where a block is one vector of
+    positions), but every sum adds up in the same order as float32's: the same values widened to float32
+    give the same output, rounded to bf16, bit for bit; odd and even block counts, with a window."""
+    if kernels.native() is None:
+        pytest.fail("the native kernels did not build")
+    lens = torch.tensor([1, 5, block_size, block_size + 3, 2 * block_size + 1, 200, 333])
+    max_blocks = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    generator = torch.Generator().manual_seed(block_size)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).bfloat16() for shape in
+                        attention.kv_cache_shapes(num_blocks, block_size, kv_heads, dim, "native"))
+    tables = torch.randperm(num_blocks, generator=generator)[:len(lens) * max_blocks].view(len(lens), max_blocks)
+    q = torch.randn(len(lens), heads, dim, generator=generator).bfloat16()
+    for window in (None, 50):
+        out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, window)
+        widened = kernels.paged_decode(q.float(), k_cache.float(), v_cache.float(), tables, lens, dim ** -0.5, window)
+        assert torch.equal(out, widened.bfloat16()), window
