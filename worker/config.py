@@ -122,8 +122,9 @@ ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bf
                               "while serving, says keep it under (the fast lane's first)",
                 "compile": "torch.compile the model forward. It pays on some CPUs and not on others (SmolLM2-135M, "
                            "2 cores, mixed, long and chat work): on a Zen 5 compiled ran 1.1-1.3x eager's tokens/s "
-                           "in fp32 and 1.2-1.5x in bf16, on an AMX Xeon 0.67-0.77x in fp32 and 0.63-0.66x in bf16 "
-                           "(there our eager layer ops, rotary and GEMM prefetch win); measure with "
+                           "in fp32 and 1.2-1.5x in bf16, on a Zen 4 0.89-1.05x in fp32 and 0.90-1.07x in bf16, on an "
+                           "AMX Xeon 0.67-0.77x in fp32 and 0.63-0.66x in bf16 (there our eager layer ops, rotary "
+                           "and GEMM prefetch win); measure with "
                            "ops.bench_vs_vllm --modes eager,compiled. The first start compiles for about 2.5 "
                            "minutes, a restart finds the compiled code in 20 s (kept in inductor/ of the streambatch "
                            "cache unless TORCHINDUCTOR_CACHE_DIR says otherwise) against 8 s eager",
