@@ -35,7 +35,7 @@ def empty_side_by_side(shapes: list[torch.Size], dtype: torch.dtype) -> list[tor
     """Empty CPU tensors of these shapes side by side in one buffer whose whole 2 MiB pages are advised for huge
     pages, each starting on a cache line: tensors smaller than a huge page (most of a small model's weights) share
     them, where each alone would get none. Fill them after."""
-    line = max(1, 64 // torch.empty(0, dtype=dtype).element_size())
+    line = max(1, 64 // dtype.itemsize)
     starts, end = [], 0
     for shape in shapes:
         starts.append(end)

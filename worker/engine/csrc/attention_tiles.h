@@ -65,16 +65,17 @@ inline Vec load_float(const T* src, int64_t n = Vec::size()) {
   }
 }
 
-// acc[h][j] += sum over t in [t0, t1) of a[h * a_stride + t] * b[t * b_stride + j * V ..] (lanes[j] of
-// vector j, the rest 0): H x P independent accumulators held in registers, so that the FMA chains over t
-// overlap, and each of b's vectors loaded (and widened, for a narrower T) once for all H rows of a.
+// acc[h][j] += sum over t in [t0, t1) of a[h * a_stride + t] * b[t * b_stride + j * b_next ..] (lanes[j] of
+// vector j, the rest 0; b_next: one vector on, or where another tile's vector lies): H x P independent
+// accumulators held in registers, so that the FMA chains over t overlap, and each of b's vectors loaded (and
+// widened, for a narrower T) once for all H rows of a.
 template <int H, int P, typename T>
-inline void outer_products(const float* a, int64_t a_stride, const T* b, int64_t b_stride, int64_t t0, int64_t t1,
-                           const int64_t* lanes, Vec (&acc)[H][P]) {
+inline void outer_products(const float* a, int64_t a_stride, const T* b, int64_t b_stride, int64_t b_next,
+                           int64_t t0, int64_t t1, const int64_t* lanes, Vec (&acc)[H][P]) {
   for (int64_t t = t0; t < t1; ++t) {
     Vec row[P];
 #pragma GCC unroll 8
-    for (int j = 0; j < P; ++j) row[j] = load_float(b + t * b_stride + j * Vec::size(), lanes[j]);
+    for (int j = 0; j < P; ++j) row[j] = load_float(b + t * b_stride + j * b_next, lanes[j]);
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h) {
       const Vec scalar(a[h * a_stride + t]);
@@ -98,7 +99,7 @@ inline void tile_values(const float* weights, int64_t stride, const T* values, i
   for (int h = 0; h < H; ++h)
 #pragma GCC unroll 8
     for (int i = 0; i < X; ++i) sum[h][i] = Vec::loadu(acc + h * dim + x0 + i * Vec::size(), lanes[i]);
-  outer_products<H, X>(weights, stride, values + x0, dim, lo, hi, lanes, sum);
+  outer_products<H, X>(weights, stride, values + x0, dim, Vec::size(), lo, hi, lanes, sum);
 #pragma GCC unroll 8
   for (int h = 0; h < H; ++h)
 #pragma GCC unroll 8
@@ -118,7 +119,7 @@ inline void tile_scores(const float* q, const T* tile, float* scores, int64_t st
   for (int h = 0; h < H; ++h)
 #pragma GCC unroll 4
     for (int j = 0; j < P; ++j) acc[h][j] = Vec(0.f);
-  outer_products<H, P>(q, dim, tile + p0, block_size, 0, dim, lanes, acc);
+  outer_products<H, P>(q, dim, tile + p0, block_size, Vec::size(), 0, dim, lanes, acc);
   for (int h = 0; h < H; ++h)
     for (int j = 0; j < P; ++j)
       if (lanes[j] > 0) (acc[h][j] * Vec(scale)).store(scores + h * stride + p0 + j * Vec::size(), lanes[j]);
