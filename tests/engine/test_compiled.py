@@ -50,9 +50,9 @@ def test_each_compiled_model_has_its_own_graph(llama):
     """Same class and shapes, another constant (the norm's epsilon): must not reuse the first graph."""
     models = [llama[0], load_model("random:llama:rms_norm_eps=0.5")[0]]
     runners = [ModelRunner(model, ModelInfo.from_model(model), 8, 16, compile=True) for model in models]
-    ids = torch.tensor([3, 1, 4, 1, 5])
     logits = []
-    with torch.inference_mode():
+    with torch.inference_mode():  # inputs made outside it would have the graph traced anew, as a runner's never are
+        ids = torch.tensor([3, 1, 4, 1, 5])
         for runner in runners + runners:
             meta = AttentionMetadata.build([0], [len(ids)], [[0]], 16, kv_caches=runner.kv_caches)
             compiled = runner.forward(ids, meta)
@@ -67,8 +67,8 @@ def test_compiled_forward_without_native_kernels(monkeypatch):
     assert packing_backend(torch.float32) == "onednn"
     model, _ = load_model("random:llama")
     runner = ModelRunner(model, ModelInfo.from_model(model), 8, 16, compile=True)
-    ids = torch.tensor([2, 7, 1, 8])
     with torch.inference_mode():
+        ids = torch.tensor([2, 7, 1, 8])
         meta = AttentionMetadata.build([0], [len(ids)], [[0]], 16, kv_caches=runner.kv_caches)
         assert meta.backend == "torch"
         torch.testing.assert_close(runner.forward(ids, meta), run_model(model, ids, meta), atol=1e-5, rtol=0)
