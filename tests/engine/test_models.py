@@ -12,7 +12,7 @@ import torch
 
 from worker.engine import models
 from worker.engine.config import EngineConfig
-from worker.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, run_model
+from worker.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, model_logits, run_model
 from worker.engine.models import (
     CPU_KV_CACHE_MEMORY, GPU_MEMORY_HEADROOM, ModelInfo, allocate_kv_cache, kv_cache_memory, load_model,
     num_blocks_for_memory, parse_dtype, random_model,
@@ -175,21 +175,31 @@ def test_crash_during_conversion_leaves_no_cache(monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [".smollm2-135m-instruct-q4_1.lock"]  # and no half cache
 
 
+# Chat prompts whose every position's logits compare two forwards: one position alone is one draw of
+# bf16's rounding (the last logits of single prompts swung 0.2-4.7x between the two forwards' errors).
+CHAT_PROMPTS = ("What is 2+2?", "Write a haiku about the sea.", "Explain photosynthesis to a child in two sentences.",
+                "Who wrote Hamlet?")
+
+
 def paged_and_stock_logits(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last logits of a chat prompt by the paged forward and by the same model under stock HF attention."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
-                                        add_generation_prompt=True, return_dict=False)
-    ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    """The logits of every position of CHAT_PROMPTS [positions, vocab] by the paged forward and by the
+    same model under stock HF attention."""
     info = ModelInfo.from_model(model, tokenizer)
-    meta = AttentionMetadata.build([0], [len(ids)], [list(range(8))], 16, kv_caches=allocate_kv_cache(info, 8, 16))
-    with torch.inference_mode():
-        paged = run_model(model, torch.tensor(ids), meta)[0]
-        model.set_attn_implementation("sdpa")
-        try:
-            stock = model(input_ids=torch.tensor([ids])).logits[0, -1]
-        finally:
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return paged, stock
+    paged, stock = [], []
+    for prompt in CHAT_PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, return_dict=False)
+        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        meta = AttentionMetadata.build([0], [len(ids)], [list(range(8))], 16, kv_caches=allocate_kv_cache(info, 8, 16))
+        with torch.inference_mode():
+            paged.append(model_logits(model, torch.tensor([ids]), meta.positions[None], torch.arange(len(ids)),
+                                      attn_metadata=meta))
+            model.set_attn_implementation("sdpa")
+            try:
+                stock.append(model(input_ids=torch.tensor([ids])).logits[0])
+            finally:
+                model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return torch.cat(paged), torch.cat(stock)
 
 
 def paged_matches_stock(model, tokenizer, atol):
@@ -222,9 +232,9 @@ def test_gguf_path_loads():
     assert tokenizer.eos_token == "<|im_end|>"
     # In bf16 the two forwards round differently (on CPU the paged attention sums in float32, stock
     # SDPA in bf16, and the linear layers' kernels differ by CPU kind): each is held to the float32
-    # forward of the same weights instead of to the other, by the mean error over the vocabulary (a
-    # single logit's worst error swings with the CPU's kernels; a wrong forward is off by whole units).
+    # forward of the same weights instead of to the other, by the mean error over every position and
+    # the vocabulary (a wrong forward is off by whole units; here the paged one's error was 0.88x stock's).
     paged, stock = paged_and_stock_logits(model, tokenizer)
     exact, _ = paged_and_stock_logits(torch.nn.Module.float(model), tokenizer)  # transformers refuses GGUF's .float()
-    assert paged.argmax() == exact.argmax()
-    assert (paged - exact).abs().mean() <= 1.5 * (stock - exact).abs().mean()
+    assert (paged.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+    assert (paged - exact).abs().mean() <= 1.25 * (stock - exact).abs().mean()
