@@ -124,8 +124,8 @@ ENGINE_FLAGS = {"dtype": "float32, bfloat16 (bf16) or float16 (fp16); auto is bf
                            "2 cores, mixed, long and chat work): on a Zen 5 compiled ran 1.1-1.3x eager's tokens/s "
                            "in fp32 and 1.2-1.5x in bf16, on a Zen 4 0.89-1.05x in fp32 and 0.90-1.07x in bf16, on an "
                            "AVX2-only Zen 3 0.99-1.18x in fp32, on an "
-                           "AMX Xeon 0.67-0.77x in fp32 and 0.63-0.66x in bf16 (there our eager layer ops, rotary "
-                           "and GEMM prefetch win); measure with "
+                           "AMX Xeon 0.91-0.98x in fp32 and 1.11-1.28x in bf16 (a bf16 model's float32 norms and "
+                           "activations are what it fuses); measure with "
                            "ops.bench_vs_vllm --modes eager,compiled. The first start compiles for about 2.5 "
                            "minutes, a restart finds the compiled code in 20 s (kept in inductor/ of the streambatch "
                            "cache unless TORCHINDUCTOR_CACHE_DIR says otherwise) against 8 s eager",

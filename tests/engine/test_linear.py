@@ -3,8 +3,11 @@ import torch
 from torch import nn
 
 from worker.engine import kernels
+from worker.engine.attention import AttentionMetadata, model_logits
 from worker.engine.linear import (PackedLinear, pack_linear_layers,
                                   packing_backend, packing_works)
+from worker.engine.models import ModelInfo, load_model, random_model
+from worker.engine.runner import ModelRunner
 
 
 def test_packed_linear_matches_nn_linear_for_decode_and_prefill_shapes():
@@ -79,8 +82,8 @@ def test_packing_backend_per_dtype():
     amx_bf16 = (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
                 and torch.cpu._is_amx_tile_supported())
     assert packing_backend(torch.float32) == ("native" if native else "onednn")
-    # oneDNN's bf16 only with AMX: avx512_bf16 alone is slower than ours (bf16 weights, float32 arithmetic)
-    assert packing_backend(torch.bfloat16) == ("onednn" if amx_bf16 else "native" if native else None)
+    # oneDNN's bf16 only where ours did not build, and only with AMX: avx512_bf16 alone is slower than ours
+    assert packing_backend(torch.bfloat16) == ("native" if native else "onednn" if amx_bf16 else None)
     assert packing_backend(torch.float16) is None
     assert packing_works(torch.float32) and packing_works(torch.bfloat16) == (native or amx_bf16)
     assert not packing_works(torch.float16)
@@ -99,3 +102,29 @@ def test_packed_bfloat16_matches_nn_linear(bias):
         assert out.dtype == torch.bfloat16
         # both sides round a float32 sum to bf16: they may differ by one bf16 step (2^-8 relative)
         torch.testing.assert_close(out, linear(x), atol=1e-2, rtol=2 ** -7)
+
+
+def test_a_bf16_model_on_the_cpu_keeps_its_activations_in_float32():
+    """Only its linear layers' weights and the KV cache are bf16: the residual stream, the norms' weights and
+    the logits stay float32 (how much closer to float32's logits that keeps SmolLM2's: test_models.py).
+    head_dim 32, K of 128 and 256: whole AMX tiles where the CPU has them."""
+    if kernels.native() is None:
+        pytest.fail("the native kernels did not build")
+    spec = "random:llama:hidden_size=128,intermediate_size=256"
+    model, _ = load_model(spec, "bfloat16")
+    runner = ModelRunner(model, ModelInfo.from_model(model), 8, 16)
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    assert len(layers) == 2 * 4 + 1 and all(layer.packed_weight.dtype == torch.bfloat16 for layer in layers)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the embeddings and norms
+    residuals = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda _, args, out: residuals.append(out[0] if isinstance(out, tuple) else out))
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([0], [len(ids)], [[0, 1]], 16, kv_caches=runner.kv_caches)
+        logits = model_logits(model, torch.tensor([ids]), meta.positions[None], torch.arange(len(ids)),
+                              attn_metadata=meta)
+        exact = random_model(spec)(input_ids=torch.tensor([ids])).logits[0]
+    assert [x.dtype for x in residuals] == [torch.float32] * 2 and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, exact, atol=0.1, rtol=0)  # bf16 weights' error, not a wrong forward's

@@ -288,11 +288,14 @@ def paged_attention(
         raise ValueError(f"kv_caches has {len(caches)} layers; layer {module.layer_idx} needs one")
     k_cache, v_cache = caches[module.layer_idx]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # float32 activations over a bf16 cache (a bf16 model on the CPU, runner.py): attended in the cache's type
+    activations = query.dtype
+    query, key, value = (x.to(k_cache.dtype) for x in (query, key, value))
     if attn_metadata is None:
         out = torch.ops.streambatch.paged_attention(query, key, value, k_cache, v_cache, scaling, sliding_window)
     else:
         out = attend(attn_metadata, k_cache, v_cache, query, key, value, scaling, sliding_window)
-    return out, None
+    return out.to(activations), None
 
 
 _step_metadata: AttentionMetadata | None = None

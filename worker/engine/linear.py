@@ -1,7 +1,7 @@
 """The model's linear layers, made faster without touching its code: sibling projections of
 one input fused into one GEMM, and on CPU weights pre-packed for a faster GEMM (packing_backend):
-our kernel (csrc/linear.cpp) for float32, and for bf16 on CPUs without AMX (bf16 by bf16 with
-avx512_bf16, else bf16 weights in float32 arithmetic); oneDNN's for bf16 where the CPU has AMX.
+our kernel (csrc/linear.cpp) for float32 and bf16 (bf16 by bf16 on AMX tiles or with avx512_bf16's
+vdpbf16ps, else bf16 weights in float32 arithmetic), oneDNN's where our kernels did not build.
 
 Fusing: q/k/v and gate/up read the same input, so one GEMM with their weights stacked reads
 that input once and gives the GEMM a wider, more efficient shape; each original module is
@@ -12,6 +12,11 @@ decode steps; oneDNN with a pre-packed weight runs SmolLM2's MLP projections 1.3
 its 49k-row lm_head 2.4x faster, and is on par for prefill-sized inputs. Our float32 kernel
 runs SmolLM2's 30 layers (AVX2, 2 threads, best of 5) in 32-34 / 57 / 98 ms for 16 / 32 / 64
 rows where oneDNN takes 50-59 / 72 / 125, and on par from 128 rows up.
+
+A bf16 model on the CPU keeps its activations in float32 (keep_activations_in_float32): only its
+linear layers' weights and the KV cache are bf16. Our GEMM rounds each input to bf16 and gives its
+float32 sums as they are, so the residual stream, the norms, rotary, softmax and the logits never
+round to bf16: that rounding, not the weights', is what made bf16's greedy tokens part from float32's.
 """
 
 from __future__ import annotations
@@ -33,16 +38,16 @@ def cpu_computes_bf16() -> bool:
 
 def packing_backend(dtype: torch.dtype) -> str | None:
     """Which pre-packed GEMM serves CPU linear layers of this dtype: "native" (ours), "onednn", or None.
-    bf16 goes to oneDNN only where the CPU has AMX (a 2-core Xeon: 2,836 GFLOP/s bf16 against 339 float32):
-    with avx512_bf16 alone its bf16 GEMM peaked at 150 GFLOP/s against float32's 269, and ours ran
-    SmolLM2's layers 1.0-1.6x faster than it for 1-256 rows even in float32 arithmetic; with vdpbf16ps
-    (kernels.bf16_dot_products) ours runs SmolLM2's shapes at 1.6-1.9x its own float32 for 16-2,048 rows."""
-    amx_bf16 = cpu_computes_bf16() and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    if dtype == torch.bfloat16 and amx_bf16:
-        return "onednn"
+    bf16 goes to oneDNN only where ours did not build and the CPU has AMX. Ours runs bf16 on AMX tiles too
+    and gives float32 sums, where oneDNN's bf16 GEMM rounds its output to bf16 (keep_activations_in_float32
+    needs them). On a 2-core AMX Xeon, SmolLM2's 30 layers with cold weights: ours 0.93-1.1x oneDNN's speed
+    for 1-64 rows, 0.81-0.85x for 128-512 (both 4-5x our float32 there); at 2,048 hot rows 0.55-0.7x. With
+    avx512_bf16 alone oneDNN's bf16 GEMM peaked at 150 GFLOP/s against float32's 269, and ours ran SmolLM2's
+    layers 1.0-1.6x faster than it for 1-256 rows even in float32 arithmetic."""
     if dtype in (torch.float32, torch.bfloat16) and kernels.native() is not None:
         return "native"
-    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    amx_bf16 = cpu_computes_bf16() and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available() or dtype == torch.bfloat16 and amx_bf16:
         return "onednn"
     return None
 
@@ -176,3 +181,10 @@ def _onto_huge_pages(layers: list[PackedLinear]) -> None:
         places = huge_pages.empty_side_by_side([layer.packed_weight.shape for layer in group], dtype)
         for layer, place in zip(group, places):
             layer.packed_weight = place.copy_(layer.packed_weight)
+
+
+def keep_activations_in_float32(model: nn.Module) -> None:
+    """Once pack_linear_layers has packed a bf16 model's linear layers for our GEMM, what is left of it (the
+    embeddings, the norms' weights) in float32: every activation then stays float32, and each GEMM rounds
+    only its input to bf16. The packed weights are not the model's parameters, and stay as they are."""
+    nn.Module.float(model)  # transformers' own .float() refuses a model loaded from GGUF

@@ -31,7 +31,8 @@ from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.disk_cache import Phase, quiet
 from worker.engine.host_copy import values_to_device
 from worker.engine.layer_ops import use_native_layer_ops
-from worker.engine.linear import fuse_projections, pack_linear_layers, packing_backend, packing_works
+from worker.engine.linear import (fuse_projections, keep_activations_in_float32, pack_linear_layers,
+                                  packing_backend, packing_works)
 from worker.engine.models import ModelInfo, allocate_kv_cache
 from worker.engine.plan import StepPlan
 from worker.engine.sequence import Sequence
@@ -89,6 +90,8 @@ class ModelRunner:
         if self.device.type == "cpu" and packing_works(info.dtype) and not (
                 compile and packing_backend(info.dtype) == "onednn"):
             pack_linear_layers(model)
+            if info.dtype == torch.bfloat16 and packing_backend(info.dtype) == "native":
+                keep_activations_in_float32(model)
         if self.device.type == "cpu" and not compile and kernels.native() is not None:
             use_native_layer_ops(model, kernels)  # compiled, inductor fuses these ops itself
         elif self.device.type == "cuda" and not compile:

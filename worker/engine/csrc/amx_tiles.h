@@ -1,7 +1,8 @@
-// Prefill attention's two products on AMX (bf16 by bf16, float32 sums), where the build's CPU has
-// it (-march=native on a Sapphire Rapids or later Xeon): prefill_attention.cpp's bf16 path. Each
-// call is 16 query rows: every tile register is 16 rows of 64 bytes, and a TDPBF16PS multiplies
-// 16 rows of 32 bf16 by 32 bf16 "pairs rows" (k two by two, VNNI order) into 16 x 16 float32 sums.
+// AMX's tiles where the build's CPU has them (-march=native on a Sapphire Rapids or later Xeon): the
+// process's permission and each thread's tile configuration, shared by the GEMM (linear.cpp's amx_micro),
+// and prefill attention's two products (prefill_attention.cpp's bf16 path). Each call here is 16 query
+// rows: every tile register is 16 rows of 64 bytes, and a TDPBF16PS multiplies 16 rows of 32 bf16 by 32
+// bf16 "pairs rows" (k two by two, VNNI order) into 16 x 16 float32 sums.
 #pragma once
 // Only in the AVX-512 build: its key tiles are the 64 keys these calls take.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(CPU_CAPABILITY_AVX512)

@@ -6,6 +6,9 @@
 // Where the build has avx512_bf16 (BF16_DOT), bfloat16 weights are packed in pairs of k instead
 // ([panels, K / 2, NR, 2]) and multiplied by the input rounded to bfloat16 with vdpbf16ps, which
 // does two k per instruction into float32 accumulators: twice the arithmetic of an FMA.
+// Where the CPU also has AMX, the same pairs feed its tiles (amx_micro): 16 rows of 32 k by 16
+// columns per TDPBF16PS, into float32 sums that are the output as they are (never rounded to bf16,
+// as oneDNN's bf16 GEMM's output is).
 //
 // Why our own: decode steps multiply a few rows (1-64) by every weight of the model, and
 // oneDNN's packed GEMM spends there up to twice the time its FLOPs need (SmolLM2's 30 layers,
@@ -17,6 +20,8 @@
 
 #include <algorithm>
 #include <vector>
+
+#include "amx_tiles.h"
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -128,6 +133,50 @@ inline void micro(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel,
 }
 #endif
 
+// Rows of an AMX tile: a micro-kernel on AMX takes one or two of them.
+constexpr int64_t AMX_ROWS = 16;
+
+#ifdef STREAMBATCH_AMX
+// y[16 * B rows, NR] = x[16 * B rows, K] . panel (pairs of k, [K / 2][NR][2]) on AMX, K a multiple of 32:
+// tiles 0-3 the sums (row block b, column half h: tile 2b + h), 4-5 the input rows, 6-7 the weights,
+// each tile of weights loaded once for both row blocks. The input rows are streamed in (TILELOADDT1), so the
+// panel's weights stay in L1 for the next row blocks: 1.1-1.15x on SmolLM2's shapes at 2,048 rows. The tiles
+// configured by amx::configure.
+template <int B>
+inline void amx_micro(const c10::BFloat16* x, int64_t K, const c10::BFloat16* panel, Prefetch ahead, float* y,
+                      int64_t ldy) {
+  constexpr int64_t pair_row = 2 * NR * sizeof(c10::BFloat16);  // one pair of k's NR columns
+  const int64_t x_row = K * sizeof(c10::BFloat16), y_row = ldy * sizeof(float);
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (B == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    ahead.at(k / 32);
+    const c10::BFloat16* w = panel + k * NR;  // pair k / 2
+    _tile_stream_loadd(4, x + k, x_row);
+    _tile_loadd(6, w, pair_row);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, w + NR, pair_row);  // columns 16-31
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (B == 2) {
+      _tile_stream_loadd(5, x + AMX_ROWS * K + k, x_row);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, y, y_row);
+  _tile_stored(1, y + AMX_ROWS, y_row);
+  if constexpr (B == 2) {
+    _tile_stored(2, y + AMX_ROWS * ldy, y_row);
+    _tile_stored(3, y + AMX_ROWS * ldy + AMX_ROWS, y_row);
+  }
+}
+
+#endif
+
 // micro<rows> with the row count known at run time (1 .. MR)
 template <typename X, typename W, int R = MR>
 inline void micro_rows(int64_t rows, const X* x, int64_t K, const W* panel, Prefetch ahead, const float* bias,
@@ -138,16 +187,23 @@ inline void micro_rows(int64_t rows, const X* x, int64_t K, const W* panel, Pref
   }
 }
 
-// y [M, N] = x [M, K] . W^T + bias, W packed in panels of NR columns (K even for bfloat16 x).
+// y [M, N] = x [M, K] . W^T + bias, W packed in panels of NR columns (K even for bfloat16 x). `amx`: on AMX
+// tiles (bfloat16 x and weights in pairs, M a multiple of 16 and K of 32), else by the vector micro-kernels.
 template <typename X, typename W>
-void gemm(const X* xs, const W* ws, const float* bs, float* ys, int64_t M, int64_t N, int64_t K, int64_t panels) {
+void gemm(const X* xs, const W* ws, const float* bs, float* ys, int64_t M, int64_t N, int64_t K, int64_t panels,
+          bool amx = false) {
   // Rows in chunks that stay in L2 while every panel streams past once; the threads split the panels.
-  const int64_t chunk = std::max<int64_t>(MR, ROWS_IN_CACHE / (K * sizeof(X)) / MR * MR);
+  const int64_t tile_rows = amx ? 2 * AMX_ROWS : MR;
+  const int64_t chunk = std::max<int64_t>(tile_rows, ROWS_IN_CACHE / (K * sizeof(X)) / tile_rows * tile_rows);
   const int64_t panel_bytes = K * NR * sizeof(W);
-  const int64_t K_steps = std::is_same_v<X, c10::BFloat16> ? K / 2 : K;  // micro's loop: pairs of k for bf16 x
+  // steps of a micro-kernel's loop over k: pairs of k for bf16 x, 32 k on AMX
+  const int64_t K_steps = amx ? K / 32 : std::is_same_v<X, c10::BFloat16> ? K / 2 : K;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, M - m0), tiles = (rows + MR - 1) / MR;
+    const int64_t rows = std::min(chunk, M - m0), tiles = (rows + tile_rows - 1) / tile_rows;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+#ifdef STREAMBATCH_AMX
+      if (amx) amx::configure();  // each thread's tiles, before its first tile instruction
+#endif
       std::vector<float> edge;  // the last panel's output and bias when N is not a multiple of NR
       float edge_bias[NR];
       for (int64_t p = begin; p < end; ++p) {
@@ -166,14 +222,36 @@ void gemm(const X* xs, const W* ws, const float* bs, float* ys, int64_t M, int64
         // shares rounded up: a tile's last k may reach into the next tile's share
         const int64_t per_k = (panel_bytes / tiles + K_steps - 1) / K_steps;
         for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
-          const int64_t height = rows / tiles + (t < rows % tiles);
+          const int64_t height = amx ? std::min(tile_rows, rows - r0) : rows / tiles + (t < rows % tiles);
           const Prefetch ahead{next ? next + t * panel_bytes / tiles : nullptr, per_k};
+#ifdef STREAMBATCH_AMX
+          if constexpr (std::is_same_v<X, c10::BFloat16>) {
+            if (amx) {
+              if (height == 2 * AMX_ROWS)
+                amx_micro<2>(xs + (m0 + r0) * K, K, ws + p * K * NR, ahead, out + r0 * ldo, ldo);
+              else
+                amx_micro<1>(xs + (m0 + r0) * K, K, ws + p * K * NR, ahead, out + r0 * ldo, ldo);
+              r0 += height;
+              continue;
+            }
+          }
+#endif
           micro_rows(height, xs + (m0 + r0) * K, K, ws + p * K * NR, ahead, panel_bias, out + r0 * ldo, ldo);
           r0 += height;
+        }
+        if (amx && panel_bias) {  // the tiles' sums start from zero
+          const Vec b0 = Vec::loadu(panel_bias), b1 = Vec::loadu(panel_bias + V);
+          for (int64_t r = 0; r < rows; ++r) {
+            (Vec::loadu(out + r * ldo) + b0).store(out + r * ldo);
+            (Vec::loadu(out + r * ldo + V) + b1).store(out + r * ldo + V);
+          }
         }
         if (cols < NR)
           for (int64_t i = 0; i < rows; ++i) std::copy_n(edge.data() + i * NR, cols, ys + (m0 + i) * N + n0);
       }
+#ifdef STREAMBATCH_AMX
+      if (amx) _tile_release();  // tile state left in use costs every context switch its 8 KiB
+#endif
     });
   }
 }
@@ -181,6 +259,16 @@ void gemm(const X* xs, const W* ws, const float* bs, float* ys, int64_t M, int64
 }  // namespace
 
 bool bf16_dot_products() { return kBf16Dot; }
+
+// Weights in pairs of k multiply on AMX tiles: the build has AMX, Linux lets this process use it, and K
+// (padded to even) is whole tiles of 32.
+bool on_amx(int64_t K) {
+#ifdef STREAMBATCH_AMX
+  return K % 32 == 0 && amx::permitted();
+#else
+  return false;
+#endif
+}
 
 // w [N, K] float32 or bfloat16 -> [ceil(N / NR), K, NR] of the same type, the columns past N zero;
 // with `pairs` (bfloat16 weights, a BF16_DOT build) [ceil(N / NR), ceil(K / 2), 2 * NR]: each column's
@@ -219,7 +307,11 @@ torch::Tensor packed_linear(torch::Tensor input, torch::Tensor packed, c10::opti
                   packed.size(2) == (pairs ? 2 * NR : NR) && packed.size(0) * NR >= N,
               "packed_linear: the weight was not packed for this input size");
   const int64_t M = x.size(0), panels = packed.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  // On AMX the rows go in whole tiles: x padded with zero rows, whose sums are dropped.
+  const bool amx = pairs && on_amx(x.size(1));
+  const int64_t padded_rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
+  if (padded_rows > M) x = torch::constant_pad_nd(x, {0, 0, 0, padded_rows - M});
+  auto y = torch::empty({padded_rows, N}, x.options().dtype(torch::kFloat));
   const bool has_bias = bias && bias->defined();
   TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
                             bias->scalar_type() == torch::kFloat), "packed_linear: bias [N] float32");
@@ -227,13 +319,15 @@ torch::Tensor packed_linear(torch::Tensor input, torch::Tensor packed, c10::opti
   float* ys = y.data_ptr<float>();
 #ifdef BF16_DOT
   if (pairs)
-    gemm(x.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(), bs, ys, M, N, x.size(1), panels);
+    gemm(x.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(), bs, ys, padded_rows, N, x.size(1), panels,
+         amx);
   else
 #endif
   if (packed.scalar_type() == torch::kBFloat16)
     gemm(x.data_ptr<float>(), packed.data_ptr<c10::BFloat16>(), bs, ys, M, N, K, panels);
   else
     gemm(x.data_ptr<float>(), packed.data_ptr<float>(), bs, ys, M, N, K, panels);
+  if (padded_rows > M) y = y.narrow(0, 0, M);
   auto sizes = input.sizes().vec();
   sizes.back() = N;
   return y.view(sizes).to(input.scalar_type());
