@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -171,10 +172,8 @@ def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
         raise ToolError("redis-server is not installed: run `make setup` (Debian package redis-server)")
     port = free_port()
     private = f"redis://127.0.0.1:{port}/0"
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--dir", str(scratch)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+    with started([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                  "--dir", str(scratch)], grace=10, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as process:
         deadline = time.monotonic() + 10
         while not _answers(private):
             if process.poll() is not None or time.monotonic() > deadline:
@@ -184,8 +183,6 @@ def redis_at(url: str | None, scratch: Path, console: Console) -> Iterator[str]:
         why = "" if url is None else f" (nothing answers at {redacted(url)})"
         console.print(f"[bold]redis:[/] started a private redis-server at {private}{why}")
         yield private
-    finally:
-        _stop(process, grace=10)
 
 
 def free_port() -> int:
@@ -200,13 +197,44 @@ def running_process(command: list[str], log: Path, redis_url: str) -> Iterator[s
     """Run worker `command` on `redis_url` with its output in `log`; on the way out SIGTERM it (the
     worker drains on SIGTERM) and kill it if it is still there after the grace period. The URL goes
     in STREAMBATCH_REDIS_URL, not on the command line, where `ps` would show its password."""
-    with log.open("wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                   env=os.environ | {"STREAMBATCH_REDIS_URL": redis_url})
-        try:
-            yield process
-        finally:
-            _stop(process, grace=30)
+    with log.open("wb") as output, started(command, grace=30, stdout=output, stderr=subprocess.STDOUT,
+                                            env=os.environ | {"STREAMBATCH_REDIS_URL": redis_url}) as process:
+        yield process
+
+
+@contextlib.contextmanager
+def started(command: list[str], grace: float, **popen) -> Iterator[subprocess.Popen]:
+    """A process of `command` (subprocess.Popen's `popen` options), SIGTERMed on the way out and killed after
+    `grace` seconds. Ctrl-C and SIGTERM wait while it starts: one that came between the fork and the
+    clean-up's taking charge of the process would leave it running on its own (the demo's worker was left
+    polling the demo's stopped Redis so, by a SIGTERM just as it started)."""
+    process = None
+    try:
+        with _interrupts_held():
+            process = subprocess.Popen(command, **popen)
+        yield process
+    finally:
+        if process is not None:
+            _stop(process, grace)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT and SIGTERM (which run_tool turns into KeyboardInterrupt) held back until the block has run,
+    then raised as KeyboardInterrupt. The handlers are Python's: a child process starts with the default ones."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = [signal.signal(number, lambda number, frame: caught.append(number)) for number in held]
+    try:
+        yield
+    finally:
+        for number, handler in zip(held, previous):
+            signal.signal(number, handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def wait_until_ready(url: str, name: str, process: subprocess.Popen, log: Path, stall_timeout: float,

@@ -4,6 +4,7 @@ summary arithmetic on its own."""
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import redis
 from rich.console import Console
 
+import ops.demo as demo_module
 from ops.demo import chosen_prompts, redis_at, run
 from ops.demo_view import CHAT_PROMPTS, Watched, panels, summary
 from ops.percentile import percentile
@@ -63,6 +65,28 @@ def test_sigterm_stops_what_the_demo_started():
     assert started is not None and status == 130, "".join(said)
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(started.group(1), socket_connect_timeout=1).ping()
+
+
+def test_a_sigterm_while_a_process_starts_stops_it(monkeypatch):
+    """The SIGTERM comes just after the fork, before the clean-up has the process: it still stops it, then
+    ends the tool as Ctrl-C does."""
+    children = []
+
+    def popen_then_sigterm(*args, **kwargs):
+        children.append(real_popen(*args, **kwargs))
+        os.kill(os.getpid(), signal.SIGTERM)
+        return children[-1]
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(demo_module.subprocess, "Popen", popen_then_sigterm)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as run_tool sets it
+    try:
+        with pytest.raises(KeyboardInterrupt), demo_module.started([sys.executable, "-c", "import time; time.sleep(60)"],
+                                                                    grace=5):
+            pytest.fail("the block ran despite the SIGTERM")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert children and children[0].poll() is not None
 
 
 def test_your_own_prompts_replace_the_demos():
