@@ -120,7 +120,7 @@ def run_engine(model: str, dtype: str, kind: str, count: int | None, seed: int, 
     seconds = time.perf_counter() - started
     prompts = [ids for ids, _ in requests]
     result = {"outputs": outputs, "tokens": sum(map(len, outputs.values())), "seconds": seconds,
-              "dtype": str(engine.model.dtype).removeprefix("torch.")}
+              "dtype": str(engine.info.dtype).removeprefix("torch.")}
     if margins:
         result["margins"] = top_two_margins(engine, prompts, first)
     if reference is not None:

@@ -140,7 +140,7 @@ def run_ours(model_name: str, dtype: str, requests, policy: str, compile: bool) 
     return {"tokens": tokens, "seconds": elapsed, "mean_batch": sum(s for _, s in steps) / len(steps),
             "kv_utilisation_at_peak": peak.kv_utilisation, "peak_blocks": peak.used, "steps": steps,
             "weights": linear_weights(engine.model), "shapes": linear_shapes(engine.model),
-            "dtype_bytes": engine.model.dtype.itemsize,
+            "dtype_bytes": engine.info.dtype.itemsize,  # the weights' (a bf16 model on the CPU computes in float32)
             "start_up_seconds": start_up}
 
 

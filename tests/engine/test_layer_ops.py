@@ -77,6 +77,20 @@ def test_rotary_is_apply_rotary_pos_emb(tokens, heads, kv_heads, head_dim, dtype
     torch.testing.assert_close(k, expected_k[0].transpose(0, 1), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "rotary"])
+def test_float32_in_bf16_out_is_the_float32_output_rounded(op, ops):
+    """What a bf16 model on the CPU feeds its GEMMs and attention from its float32 activations
+    (use_native_layer_ops' gemm_inputs): the float32 output rounded once, bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    x = 3 * torch.randn(37, 576, generator=generator)
+    arguments = {"rms_norm": (x, torch.randn(576, generator=generator), 1e-5), "silu_and_mul": (x,),
+                 "rotary": (x, torch.randn(37, 64, generator=generator), torch.randn(37, 64, generator=generator), 3, 3)}
+    exact, narrow = (getattr(ops, op)(*arguments[op], out_dtype) for out_dtype in (None, torch.bfloat16))
+    for exact_part, narrow_part in zip(*((out,) if op != "rotary" else out for out in (exact, narrow)), strict=True):
+        assert exact_part.dtype == torch.float32 and narrow_part.dtype == torch.bfloat16
+        assert torch.equal(narrow_part, exact_part.bfloat16())
+
+
 FAMILIES = {  # the attention module, and a config with GQA (Qwen2: q/k/v biases; Mistral: a sliding window)
     LlamaAttention: LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2),
     Qwen2Attention: Qwen2Config(hidden_size=96, num_attention_heads=6, num_key_value_heads=2),
@@ -128,6 +142,8 @@ def test_refusals_are_clear_errors():  # the native kernels'; Triton's take what
         kernels.rms_norm(torch.randn(3, 8), torch.randn(8, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(RuntimeError, match="rotary"):
         kernels.rotary(torch.randn(3, 5 * 8), torch.randn(3, 4), torch.randn(3, 4), 3, 1)  # cos/sin not [3, 8]
+    with pytest.raises(RuntimeError, match="bfloat16 for float32 input"):
+        kernels.silu_and_mul(torch.randn(3, 8), torch.float16)
 
 
 @pytest.mark.parametrize("name", ["random:llama", "random:qwen2", "random:mistral"])

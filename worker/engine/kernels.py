@@ -97,28 +97,31 @@ def pack_linear_weight(weight: torch.Tensor, pairs: bool = False) -> torch.Tenso
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., in] -> x @ weight.T + bias [..., out] in x's dtype, summed in float32 (of x rounded to
-    bfloat16 where the weight was packed in pairs); the weight packed by pack_linear_weight, the bias float32."""
+    """x [..., in] -> x @ weight.T + bias [..., out], the float32 sums as they are (of x rounded to bfloat16
+    where the weight was packed in pairs); the weight packed by pack_linear_weight, the bias float32."""
     return torch.ops.streambatch.packed_linear(x, packed, bias, out_features)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm's forward for x [..., n] and a weight [n] of x's dtype, in one pass."""
-    return native().rms_norm(x.contiguous(), weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """LlamaRMSNorm's forward for x [..., n] and a weight [n] of x's dtype, in one pass; written as x's dtype or
+    `out_dtype` (bf16, for float32 x: the kernel rounds it as it writes it, csrc/layer_ops.cpp)."""
+    return native().rms_norm(x.contiguous(), weight, eps, out_dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2n], each row [gate | up] -> silu(gate) * up [..., n] in x's dtype, in one pass."""
-    return native().silu_and_mul(x.contiguous())
+def silu_and_mul(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., 2n], each row [gate | up] -> silu(gate) * up [..., n] in x's dtype or `out_dtype` (as rms_norm's),
+    in one pass."""
+    return native().silu_and_mul(x.contiguous(), out_dtype)
 
 
-def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-           kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+           out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rotary_pos_emb for the q and k heads of fused q/k/v rows qkv [tokens, (heads + 2 kv_heads) d],
-    with cos and sin [tokens, d]: q [tokens, heads, d] and k [tokens, kv_heads, d] in one pass."""
-    return native().rotary(qkv, cos.contiguous(), sin.contiguous(), heads, kv_heads)
+    with cos and sin [tokens, d]: q [tokens, heads, d] and k [tokens, kv_heads, d] in one pass, in qkv's dtype
+    or `out_dtype` (as rms_norm's)."""
+    return native().rotary(qkv, cos.contiguous(), sin.contiguous(), heads, kv_heads, out_dtype)
 
 
 def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                          out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
+    return x.new_empty(*x.shape[:-1], out_features, dtype=torch.float32)

@@ -44,27 +44,30 @@ ATTENTIONS = {
 
 
 class NativeRMSNorm(nn.Module):
-    def __init__(self, norm: nn.Module, ops: ModuleType) -> None:
+    def __init__(self, norm: nn.Module, ops: ModuleType, gemm_inputs: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = norm.weight
         self.variance_epsilon = norm.variance_epsilon
         self.ops = ops
+        self.gemm_inputs = gemm_inputs  # its output is only ever a GEMM's input
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return self.ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.gemm_inputs)
 
 
 class NativeGatedMLP(nn.Module):
     """down_proj(silu(gate) * up) from the fused gate/up GEMM's output as it lies, [gate | up] per row."""
 
-    def __init__(self, gate_up: FusedProjections, down_proj: nn.Module, ops: ModuleType) -> None:
+    def __init__(self, gate_up: FusedProjections, down_proj: nn.Module, ops: ModuleType,
+                 gemm_inputs: torch.dtype | None = None) -> None:
         super().__init__()
         self.gate_up = gate_up
         self.down_proj = down_proj
         self.ops = ops
+        self.gemm_inputs = gemm_inputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up.fused(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up.fused(x), self.gemm_inputs))
 
 
 class NativeAttention(nn.Module):
@@ -74,7 +77,8 @@ class NativeAttention(nn.Module):
     paged attention; a caller that switches the model to another attention or passes a Cache (as
     ops/bench_gpu.py's check against HF generate does) gets what transformers' forward gives."""
 
-    def __init__(self, attention: nn.Module, qkv: FusedProjections, ops: ModuleType) -> None:
+    def __init__(self, attention: nn.Module, qkv: FusedProjections, ops: ModuleType,
+                 gemm_inputs: torch.dtype | None = None) -> None:
         super().__init__()
         self.fused_q_k_v = qkv  # fuse_projections' name for it: the model's module paths stay as they were
         self.o_proj = attention.o_proj
@@ -89,6 +93,7 @@ class NativeAttention(nn.Module):
         self.num_heads, self.num_kv_heads = qkv.sizes[0] // self.head_dim, qkv.sizes[1] // self.head_dim
         self.num_key_value_groups = self.num_heads // self.num_kv_heads  # read by transformers' attention functions
         self.ops = ops
+        self.gemm_inputs = gemm_inputs  # q and k, as the paged attention reads them (its cache's type)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
@@ -97,8 +102,10 @@ class NativeAttention(nn.Module):
         qkv = self.fused_q_k_v.fused(hidden_states)
         qkv = qkv.view(-1, qkv.shape[-1])
         cos, sin = (part.reshape(-1, self.head_dim) for part in position_embeddings)
-        q, k = self.ops.rotary(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        q, k = self.ops.rotary(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.gemm_inputs)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
+        if self.gemm_inputs is not None:  # as q and k (an attention function takes all three in one dtype)
+            v = v.to(self.gemm_inputs)
         # [batch, heads, T, d] views, as transformers' forward hands them over
         query, key, value = (x.reshape(*lead, -1, self.head_dim).transpose(1, 2) for x in (q, k, v))
         if cache is not None:
@@ -122,22 +129,25 @@ def _fused(module: nn.Module, names: tuple[str, ...]) -> FusedProjections | None
     return group if [part.index for part in slices] == list(range(len(names))) else None
 
 
-def use_native_layer_ops(model: nn.Module, ops: ModuleType) -> int:
+def use_native_layer_ops(model: nn.Module, ops: ModuleType, gemm_inputs: torch.dtype | None = None) -> int:
     """Swap our modules in, their kernels `ops`' rms_norm, silu_and_mul and rotary (kernels.py's must
-    have built); returns how many were swapped."""
+    have built); returns how many were swapped. `gemm_inputs`: the dtype the model's GEMMs and attention
+    round their inputs to, where its activations are float32 (a bf16 model on the CPU, linear.py): the
+    norms, the activation and rotary then write it outright, which are only ever those inputs (the same
+    values, rounded once, with half the bytes to write and no pass of the GEMM's own to round them)."""
     targets = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if type(child) in NORMS and child.weight.dtype in (torch.float32, torch.bfloat16):
-                targets.append((parent, name, NativeRMSNorm(child, ops)))
+                targets.append((parent, name, NativeRMSNorm(child, ops, gemm_inputs)))
             elif type(child) in GATED_MLPS and isinstance(child.act_fn, SiLUActivation):
                 gate_up = _fused(child, ("gate_proj", "up_proj"))
                 if gate_up is not None:
-                    targets.append((parent, name, NativeGatedMLP(gate_up, child.down_proj, ops)))
+                    targets.append((parent, name, NativeGatedMLP(gate_up, child.down_proj, ops, gemm_inputs)))
             elif type(child) in ATTENTIONS and child.config._attn_implementation == ATTN_IMPLEMENTATION:
                 qkv = _fused(child, ("q_proj", "k_proj", "v_proj"))
                 if qkv is not None:
-                    targets.append((parent, name, NativeAttention(child, qkv, ops)))
+                    targets.append((parent, name, NativeAttention(child, qkv, ops, gemm_inputs)))
     for parent, name, module in targets:
         setattr(parent, name, module)
     return len(targets)

@@ -86,14 +86,16 @@ class ModelRunner:
         self.tables = BlockTables(max_blocks, self.device)
         on_phase("preparing the model's linear layers")
         fuse_projections(model)
+        gemm_inputs = None  # where the activations are wider than what the GEMMs take (layer_ops.py)
         # oneDNN's packed op does not lower into a graph with unbacked sizes: compiled, inductor's GEMM serves.
         if self.device.type == "cpu" and packing_works(info.dtype) and not (
                 compile and packing_backend(info.dtype) == "onednn"):
             pack_linear_layers(model)
             if info.dtype == torch.bfloat16 and packing_backend(info.dtype) == "native":
                 keep_activations_in_float32(model)
+                gemm_inputs = torch.bfloat16
         if self.device.type == "cpu" and not compile and kernels.native() is not None:
-            use_native_layer_ops(model, kernels)  # compiled, inductor fuses these ops itself
+            use_native_layer_ops(model, kernels, gemm_inputs)  # compiled, inductor fuses these ops itself
         elif self.device.type == "cuda" and not compile:
             from worker.engine import triton_layer_ops  # only a GPU needs triton here
             use_native_layer_ops(model, triton_layer_ops)

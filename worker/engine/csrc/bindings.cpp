@@ -11,10 +11,11 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
 bool bf16_dot_products();
 torch::Tensor pack_linear_weight(torch::Tensor w, bool pairs);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<at::ScalarType> out_dtype);
+torch::Tensor silu_and_mul(torch::Tensor x, std::optional<at::ScalarType> out_dtype);
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                                int64_t heads, int64_t kv_heads);
+                                                int64_t heads, int64_t kv_heads,
+                                                std::optional<at::ScalarType> out_dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);

@@ -291,7 +291,7 @@ torch::Tensor pack_linear_weight(torch::Tensor w, bool pairs) {
 }
 
 // x [M, K] (rounded to bfloat16 for weights in pairs of k, else float32), packed from pack_linear_weight,
-// bias [N] float32 or undefined -> [M, N] in x's type, summed in float32
+// bias [N] float32 or undefined -> [M, N], the float32 sums as they are
 torch::Tensor packed_linear(torch::Tensor input, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
   TORCH_CHECK(input.dim() >= 1, "packed_linear: input [..., K]");
   TORCH_CHECK(packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16,
@@ -330,5 +330,5 @@ torch::Tensor packed_linear(torch::Tensor input, torch::Tensor packed, c10::opti
   if (padded_rows > M) y = y.narrow(0, 0, M);
   auto sizes = input.sizes().vec();
   sizes.back() = N;
-  return y.view(sizes).to(input.scalar_type());
+  return y.view(sizes);
 }
