@@ -4,8 +4,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from ops.agreement import agreement, differences, main
+from ops.agreement import agreement, differences, main, round_weights_to_bf16
+from worker.engine.models import load_model
 
 
 def test_agreement_counts_the_first_tokens_matched_before_the_first_difference():
@@ -38,6 +40,21 @@ def test_the_same_dtype_twice_agrees_on_every_token(tmp_path):
     row = json.loads(figures.read_text())["mixed"]
     assert row["mean"] == row["min"] == 1.0 and row["all_same"] == 3
     assert row["forced_mean"] == 1.0 and row["differences"] == 0
+
+
+def test_bf16_weights_rounds_every_weight_and_keeps_float32_arithmetic(tmp_path):
+    model, _ = load_model("random:llama", "float32")
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    round_weights_to_bf16(model)
+    for old, parameter in zip(before, model.parameters()):
+        assert parameter.dtype == torch.float32
+        assert torch.equal(parameter, old.to(torch.bfloat16).float())
+    assert any(not torch.equal(old, parameter) for old, parameter in zip(before, model.parameters()))
+    figures = tmp_path / "agreement.json"
+    assert main(["--model", "random:llama", "--dtype", "bf16-weights", "--workloads", "mixed", "--count", "3",
+                 "--first", "8", "--json", str(figures)]) == 0
+    row = json.loads(figures.read_text())["mixed"]
+    assert row["requests"] == 3 and row["mean"] <= row["forced_mean"]
 
 
 class ScriptedEngine:
