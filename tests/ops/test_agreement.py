@@ -42,7 +42,9 @@ def test_the_same_dtype_twice_agrees_on_every_token(tmp_path):
     assert row["forced_mean"] == 1.0 and row["differences"] == 0
 
 
-def test_bf16_weights_rounds_every_weight_and_keeps_float32_arithmetic(tmp_path):
+def test_bf16_weights_runs_the_float32_engine_on_every_weight_rounded_to_bf16(monkeypatch):
+    import ops.agreement
+
     model, _ = load_model("random:llama", "float32")
     before = [parameter.detach().clone() for parameter in model.parameters()]
     round_weights_to_bf16(model)
@@ -50,11 +52,14 @@ def test_bf16_weights_rounds_every_weight_and_keeps_float32_arithmetic(tmp_path)
         assert parameter.dtype == torch.float32
         assert torch.equal(parameter, old.to(torch.bfloat16).float())
     assert any(not torch.equal(old, parameter) for old, parameter in zip(before, model.parameters()))
-    figures = tmp_path / "agreement.json"
-    assert main(["--model", "random:llama", "--dtype", "bf16-weights", "--workloads", "mixed", "--count", "3",
-                 "--first", "8", "--json", str(figures)]) == 0
-    row = json.loads(figures.read_text())["mixed"]
-    assert row["requests"] == 3 and row["mean"] <= row["forced_mean"]
+
+    rounded = []
+    monkeypatch.setattr(ops.agreement, "round_weights_to_bf16",
+                        lambda model: rounded.append(model) or round_weights_to_bf16(model))
+    result = ops.agreement.run_engine("random:llama", "bf16-weights", "mixed", 2, 0, 8)
+    [model] = rounded
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
+    assert result["dtype"] == "bf16-weights" and len(result["outputs"]) == 2
 
 
 class ScriptedEngine:
