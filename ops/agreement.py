@@ -126,13 +126,13 @@ def run_engine(model: str, dtype: str, kind: str, count: int | None, seed: int, 
     from worker.engine.engine import Engine
     from worker.engine.models import load_model
 
+    config = EngineConfig.from_options(model, dtype="float32" if dtype == WEIGHTS_ONLY else dtype, compile=compile)
     if dtype == WEIGHTS_ONLY:
-        config = EngineConfig.from_options(model, dtype="float32", compile=compile)
         loaded, tokenizer = load_model(config.model, config.dtype, config.device)
         round_weights_to_bf16(loaded)
         engine = Engine(config, loaded, tokenizer)
     else:
-        engine = Engine(EngineConfig.from_options(model, dtype=dtype, compile=compile))
+        engine = Engine(config)
     tokenizer = engine.tokenizer
     requests = (workload(tokenizer, seed, count, kind) if tokenizer is not None
                 else synthetic_workload(engine.model.config.vocab_size, seed, count, kind))
