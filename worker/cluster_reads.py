@@ -82,6 +82,10 @@ class ClusterReads:
                 entries += self._reply(waiting[sock])
         return entries, self._woken in ready
 
+    def waiting_streams(self) -> set[str]:
+        """The streams whose reads wait in Redis (or whose replies wait to be taken)."""
+        return {stream for stream, reader in self.readers.items() if reader.waiting}
+
     def cancel(self) -> list[Entry]:
         """Cut every waiting read short -> what they brought meanwhile."""
         entries = []

@@ -86,9 +86,10 @@ class Intake:
                                       for stream in self.streams.by_name.values()])
 
     def take(self, room: int, block_ms: int | None, held: Mapping[str, Entry],
-             in_engine: Container[str], waiting: Mapping[Lane, Container[str]] | None = None) -> list[Admission]:
+             in_engine: Container[str], waiting: Mapping[Lane, Container[str]] | None = None,
+             blocked: Container[str] = ()) -> list[Admission]:
         """One pass: read (`read`), then `admit` what came."""
-        return self.admit(self.read(room, block_ms, waiting), held, in_engine)
+        return self.admit(self.read(room, block_ms, waiting, blocked), held, in_engine)
 
     def admit(self, entries: list[Entry], held: Mapping[str, Entry], in_engine: Container[str]) -> list[Admission]:
         """-> the requests among `entries` to start, claimed; each one's tenant is its stream's. The
@@ -149,7 +150,7 @@ class Intake:
         self.metrics.dead_letters.inc(len(dead))
 
     def read(self, room: int, block_ms: int | None = None,
-             waiting: Mapping[Lane, Container[str]] | None = None) -> list[Entry]:
+             waiting: Mapping[Lane, Container[str]] | None = None, blocked: Container[str] = ()) -> list[Entry]:
         """About `room` new entries per lane, fast lanes first, each tenant asked for its weighted
         share (fair_intake.py); with no room, one entry of each tenant with nothing `waiting` in
         the engine in that lane (none: no read), so that a quiet tenant's request reaches the
@@ -160,16 +161,19 @@ class Intake:
         every stream that waits that long for the first entry, taking up to a share of each; on a
         cluster, where no read blocks across nodes, an idle worker that finds nothing waits up to
         block_ms for a producer's enqueue nudge (nudges.py) and reads again at once if one came: so
-        it polls at most 1000 / block_ms times a second (once with the defaults) while nothing comes."""
+        it polls at most 1000 / block_ms times a second (once with the defaults) while nothing comes.
+        `blocked`: streams that a blocking read of this worker waits on (step_intake.py), left
+        unread: Redis hands a new entry to a blocked reader, so such a stream has none to give (the
+        pass counts it as read and found empty)."""
         if self.nudges is not None and block_ms is None:
             self.nudges.stop()  # work to do: no nudges while there is
         if room <= 0:
-            return self._read_shares(0, waiting) if waiting is not None else []
+            return self._read_shares(0, waiting, blocked) if waiting is not None else []
         if block_ms is not None and not self.cluster:
             names = self.streams.names
             return read_entries(self.blocking.xreadgroup(GROUP, self.consumer, dict.fromkeys(names, ">"),
                                                           count=read_count(room, len(names)), block=block_ms))
-        entries = self._read_shares(room)
+        entries = self._read_shares(room, blocked=blocked)
         if entries or block_ms is None:
             return entries
         if self.nudges.follow():  # subscribed just now: what came before it is found by reading again
@@ -178,7 +182,8 @@ class Intake:
             entries = self._read_shares(room)
         return entries
 
-    def _read_shares(self, room: int, waiting: Mapping[Lane, Container[str]] | None = None) -> list[Entry]:
+    def _read_shares(self, room: int, waiting: Mapping[Lane, Container[str]] | None = None,
+                     blocked: Container[str] = ()) -> list[Entry]:
         pipe = self.client.pipeline(transaction=False)
         asked = []  # (lane, the tenants' counts, each read's tenant) in the pipeline's order
         for lane in LANES:
@@ -189,6 +194,8 @@ class Intake:
                 if tenant not in counts:
                     continue
                 for name in names:  # its shards share its count
+                    if name in blocked:
+                        continue
                     pipe.xreadgroup(GROUP, self.consumer, {name: ">"}, count=read_count(counts[tenant], len(names)))
                     readers.append(tenant)
             asked.append((lane, counts, readers))

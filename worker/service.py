@@ -248,6 +248,9 @@ class Worker:
             self.housekeeping()
         nudged = [self.flights[name] for name in self.cancels.nudged() if name in self.flights]
         self.cancel(self.cancels.swept(nudged))
+        if self.drain_until is not None or not self.engine.has_unfinished:  # no step will read them
+            for admission in self.step_intake.stand_down(self.held(), self.engine.requests):
+                self.start(admission)
         if self.drain_until is None and not self.engine.has_unfinished:
             for admission in self.intake.take(intake_room(self.engine, self.config.intake_ahead),
                                               self.config.block_ms, self.held(), self.engine.requests,

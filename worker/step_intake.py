@@ -9,8 +9,14 @@ blocked reader: no herd) and which the step's end cuts short with CLIENT UNBLOCK
 brings is claimed at once and the thread reads again. An unblocked read takes nothing, so no entry
 is left in this worker's pending list unstarted. On a cluster, where no read spans nodes, the
 thread waits in a blocking read of each lane stream at once, on connections of their own
-(cluster_reads.py), and the step's end wakes it: it cuts its waiting reads short then and claims
-what came meanwhile.
+(cluster_reads.py), and the step's end wakes it. There the reads still waiting stay waiting into
+the next step while the worker has room (a read per stream and an unblock each, every step,
+would cost each node's round trips and turns of its event loop that grow with the shards: a
+tenant has a shard or two per master); an entry one brings between steps is claimed at the
+next step's start, and the next step's pass leaves their streams unread (an entry goes to a
+blocked reader first: they have none to give). They are cut short, and what they brought
+claimed, once the room is spent, after a failure, and before the worker waits idle or drains
+(`stand_down`).
 
 Nothing else uses the intake meanwhile: the main thread is in the engine, and the flights and
 engine requests that a claim is checked against are only read. What the thread raises is raised
@@ -84,6 +90,15 @@ class StepIntake:
         if failure is not None:
             raise failure
 
+    def stand_down(self, held: Mapping[str, Entry], in_engine: Container[str]) -> list[Admission]:
+        """Between steps, before the worker waits idle or drains: cut short the cluster's reads left
+        waiting from the last step (no entry may wait in one while no step reads it) -> what
+        they brought meanwhile, claimed."""
+        if self.cluster_reads is None:
+            return []
+        late = self.cluster_reads.cancel()
+        return self.intake.admit(late, held, in_engine) if late else []
+
     def close(self) -> None:
         if self.cluster_reads is not None:
             self.cluster_reads.close()
@@ -117,9 +132,11 @@ class TakeDuringStep:
               waiting: Mapping[Lane, Container[str]]) -> None:
         intake = self.owner.intake
         try:
-            self._admitted(intake.take(room, None, held, in_engine, waiting), held)
+            reads = self.owner.cluster_reads
+            blocked = reads.waiting_streams() if reads is not None else ()
+            self._admitted(intake.take(room, None, held, in_engine, waiting, blocked), held)
             room -= len(self.admitted)
-            if self.owner.cluster_reads is not None:
+            if reads is not None:
                 self._take_on_cluster(room, held, in_engine)
             while self.owner.blocks and room > 0:
                 entries = self.owner.read_blocking(room)
@@ -131,9 +148,12 @@ class TakeDuringStep:
             self.failure = error
 
     def _take_on_cluster(self, room: int, held: dict[str, Entry], in_engine: Container[str]) -> None:
-        """Blocking reads of every lane stream until the room is spent or the step ends; then the
-        reads still waiting are cut short, and what they brought meanwhile is claimed too (a
-        little past the room, as one node's read of several streams may be)."""
+        """Blocking reads of every lane stream until the room is spent or the step ends. Reads still
+        waiting at the step's end stay waiting, into the next step, while room is left: a stream
+        that brings nothing then costs Redis nothing per step, not a read and a CLIENT UNBLOCK
+        each. Once the room is spent (or a read failed) they are cut short, and what they brought
+        meanwhile is claimed too (a little past the room, as one node's read of several streams
+        may be); the worker cuts them short too before it waits idle or drains (`stand_down`)."""
         intake, reads = self.owner.intake, self.owner.cluster_reads
         woken = False
         try:
@@ -142,10 +162,11 @@ class TakeDuringStep:
                 entries, woken = reads.read(streams, read_count(room, len(streams)))
                 if entries:
                     room -= self._admitted(intake.admit(entries, held, in_engine), held)
-        finally:  # no read left waiting, even after a failure (what it brought is then reclaimed)
-            late = reads.cancel()
-        if late:
-            self._admitted(intake.admit(late, held, in_engine), held)
+        except BaseException:  # no read left waiting after a failure (what it brought is then reclaimed)
+            reads.cancel()
+            raise
+        if room <= 0:
+            self._admitted(intake.admit(reads.cancel(), held, in_engine), held)
 
     def _admitted(self, admissions: list[Admission], held: dict[str, Entry]) -> int:
         """Keep `admissions`; each is held from now on (a second entry of its id is a duplicate)."""
