@@ -22,6 +22,8 @@ from worker.engine.engine import Engine
 
 PREFILL_HEAVY_SHARE = 0.9  # of a step's computed tokens in prefill chunks: prefill-heavy from this share on
 CLASSES = ("prefill-heavy", "mixed", "decode")
+FULL_DECODE_SEQS = 64  # the issue's decode target is for steps of this many sequences or more
+FULL_DECODE = f"decode, {FULL_DECODE_SEQS}+ seqs"
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,10 @@ def step_class(step: Step) -> str:
 
 
 def summarize(steps: list[Step], geometry: Geometry, gemm_gflops: float, bandwidth_gbps: float) -> dict[str, dict]:
-    """Per class (CLASSES, those with steps) and for "all": its steps' figures against the peaks."""
+    """Per class (CLASSES, those with steps), for the decode steps of FULL_DECODE_SEQS sequences or more
+    (FULL_DECODE, if any) and for "all": its steps' figures against the peaks."""
     groups = {kind: [step for step in steps if step_class(step) == kind] for kind in CLASSES}
+    groups[FULL_DECODE] = [step for step in groups["decode"] if len(step.seqs) >= FULL_DECODE_SEQS]
     groups = {kind: members for kind, members in groups.items() if members} | {"all": steps}
     return {kind: _figures(members, geometry, gemm_gflops * 1e9, bandwidth_gbps * 1e9)
             for kind, members in groups.items()}

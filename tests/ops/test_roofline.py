@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ops.bench_offline import LONG_PROMPT_TOKENS, SYSTEM_PROMPT_LENGTH, synthetic_workload
-from ops.roofline.costs import Geometry, step_class, step_costs, summarize
+from ops.roofline.costs import FULL_DECODE, Geometry, step_class, step_costs, summarize
 from ops.roofline.steps import PARTS, Step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +63,15 @@ def test_a_class_sums_its_steps_against_the_peaks():
     assert summary["prefill-heavy"]["linear_gflops"] == pytest.approx(costs[0].linear_flops / 0.4 / 1e9)
     assert summary["decode"]["time_split"] == pytest.approx(
         {"linear": 0.5, "attention": 0.1, "sampling": 0.1, "other": 0.1, "host": 0.2})
+
+
+def test_decode_steps_of_64_sequences_or_more_are_summed_apart_too():
+    full, short = step([(100, 1)] * 64, 64, seconds=0.2), step([(100, 1)] * 63, 63, seconds=0.1)
+    summary = summarize([full, short], GEOMETRY, gemm_gflops=1e-3, bandwidth_gbps=1e-4)
+    assert list(summary) == ["decode", FULL_DECODE, "all"] and FULL_DECODE == "decode, 64+ seqs"
+    assert (summary[FULL_DECODE]["steps"], summary[FULL_DECODE]["decode_rows"]) == (1, 64)
+    assert summary[FULL_DECODE]["share_of_roofline"] == pytest.approx(
+        summarize([full], GEOMETRY, gemm_gflops=1e-3, bandwidth_gbps=1e-4)["decode"]["share_of_roofline"])
 
 
 def test_the_long_and_chat_workloads():
