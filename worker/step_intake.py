@@ -91,9 +91,9 @@ class StepIntake:
             raise failure
 
     def stand_down(self, held: Mapping[str, Entry], in_engine: Container[str]) -> list[Admission]:
-        """Between steps, before the worker waits idle or drains: cut short the cluster's reads left
-        waiting from the last step (no entry may wait in one while no step reads it) -> what
-        they brought meanwhile, claimed."""
+        """Cut short the cluster's reads left waiting -> what they brought meanwhile, claimed: once a
+        step's room is spent, and between steps before the worker waits idle or drains (no entry
+        may wait in a read that no step takes)."""
         if self.cluster_reads is None:
             return []
         late = self.cluster_reads.cancel()
@@ -166,7 +166,7 @@ class TakeDuringStep:
             reads.cancel()
             raise
         if room <= 0:
-            self._admitted(intake.admit(reads.cancel(), held, in_engine), held)
+            self._admitted(self.owner.stand_down(held, in_engine), held)
 
     def _admitted(self, admissions: list[Admission], held: dict[str, Entry]) -> int:
         """Keep `admissions`; each is held from now on (a second entry of its id is a duplicate)."""
