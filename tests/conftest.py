@@ -17,8 +17,8 @@ import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked `long` first (a stable sort): under `-n 2 --dist worksteal` the other process
-    works through the short ones meanwhile, rather than one process being left alone in a long test
+    """The tests marked `long` first (a stable sort): under `-n 3 --dist worksteal` the other processes
+    work through the short ones meanwhile, rather than one process being left alone in a long test
     at the end."""
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
