@@ -7,8 +7,9 @@ Then one of ops/bench_offline.py's workloads, every request at once, greedy, EOS
   mixed  64 requests, prompts of 20-200 tokens
   long   48 requests, 16 of them with prompts of 600-1,800 tokens
   chat   96 requests, 60% of them after one shared system prompt
-(max_tokens 16, 64 or 256) through our engine twice, each time on a fresh KV pool: once plain, for the
-total time, and once with each step's parts timed (steps.py); the difference is the timing's overhead.
+(max_tokens 16, 64 or 256) through our engine twice, each time on a fresh KV pool: once plain, for each
+step's time, and once with each step's parts timed (steps.py), for where it goes; the difference is the
+timing's overhead.
 Each step's FLOPs and bytes come from the model's geometry (costs.py); the steps are classed prefill-heavy,
 mixed or decode, and each class gets its GFLOP/s and GB/s against the peaks, its share of the roofline,
 its linear layers' own GFLOP/s against the GEMM peak, and where its time went: linear layers, attention,
@@ -36,7 +37,7 @@ from ops.bench_offline import WORKLOADS, synthetic_workload, workload
 from ops.roofline import peaks as machine
 from ops.roofline.costs import Geometry, step_json, summarize
 from ops.roofline.report import classes_table, peaks_table, plot, split_table
-from ops.roofline.steps import StepClock, run, warm_up
+from ops.roofline.steps import StepClock, pair, run, warm_up
 from ops.tool import run_tool, wide_console
 from worker.config import DEFAULT_MODEL
 from worker.engine.config import EngineConfig
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here, each step's included")
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     args = parser.parse_args(argv)
-    console = wide_console(150)
+    console = wide_console(175)
     return run_tool("roofline", lambda: measure(console, args), console)
 
 
@@ -83,11 +84,13 @@ def measure(console: Console, args: argparse.Namespace) -> None:
                   f"{prompt_tokens:,} prompt tokens, {tokens:,} output tokens; "
                   "once plain, once timed by parts")
     warm_up(engine)
-    plain_s, _ = run(engine, requests)
+    with StepClock(engine, by_parts=False) as clock:
+        plain_s, plain_steps = run(engine, requests, clock)
     # A fresh KV pool on the same model: nothing of the first run in the prefix cache.
     engine = Engine(config, model=engine.model, tokenizer=engine.tokenizer)
     with StepClock(engine) as clock:
-        timed_s, steps = run(engine, requests, clock)
+        timed_s, timed_steps = run(engine, requests, clock)
+    steps = pair(plain_steps, timed_steps)
     geometry = Geometry.of(engine)
     summary = summarize(steps, geometry, peaks.gemm_gflops(args.dtype), peaks.bandwidth_gbps)
     console.print(classes_table(summary, args.dtype, peaks))

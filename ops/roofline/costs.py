@@ -9,7 +9,12 @@ Activations are left out, so the bytes are a floor.
 
 Against the peaks: a step's compute time at the GEMM peak and its memory time at the peak bandwidth; the
 slower of the two is the roofline's time for it, and its share of the roofline is that over the time
-it took. A class's figures are its steps' sums: FLOPs over seconds, not a mean of per-step rates.
+it took. That bound lets one part's memory traffic hide under another's compute; the parts run one after
+the other, so the roofline by part adds up each part's own bound: the linear layers' (the slower of their
+FLOPs at the peak and their weights at the bandwidth) and attention's (of its FLOPs and its K/V bytes).
+The time a step took is the plain run's (Step.plain_s): the engine's own, without the timers' overhead;
+where the time went is the timed run's shares of its own steps. A class's figures are its steps' sums:
+FLOPs over seconds, not a mean of per-step rates.
 """
 
 from __future__ import annotations
@@ -72,6 +77,15 @@ class StepCosts:
     def bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes
 
+    def roofline_s(self, flops_per_s: float, bytes_per_s: float) -> float:
+        """The step's time at the slower of compute and memory."""
+        return max(self.flops / flops_per_s, self.bytes / bytes_per_s)
+
+    def roofline_by_part_s(self, flops_per_s: float, bytes_per_s: float) -> float:
+        """The linear layers' and attention's times at their own bounds, one after the other."""
+        return (max(self.linear_flops / flops_per_s, self.weight_bytes / bytes_per_s)
+                + max(self.attention_flops / flops_per_s, self.kv_bytes / bytes_per_s))
+
 
 def step_costs(step: Step, geometry: Geometry) -> StepCosts:
     g = geometry
@@ -103,10 +117,9 @@ def summarize(steps: list[Step], geometry: Geometry, gemm_gflops: float, bandwid
 
 def _figures(steps: list[Step], geometry: Geometry, flops_per_s: float, bytes_per_s: float) -> dict:
     each = [step_costs(step, geometry) for step in steps]
-    seconds = sum(step.seconds for step in steps)
+    seconds, timed_s = sum(step.plain_s for step in steps), sum(step.seconds for step in steps)
     flops, moved = sum(c.flops for c in each), sum(c.bytes for c in each)
     compute_s, memory_s = flops / flops_per_s, moved / bytes_per_s
-    roofline_s = sum(max(c.flops / flops_per_s, c.bytes / bytes_per_s) for c in each)
     linear_s = sum(step.linear_s for step in steps)
     attention_s = sum(step.attention_s for step in steps)
     linear_flops = sum(c.linear_flops for c in each)
@@ -115,16 +128,17 @@ def _figures(steps: list[Step], geometry: Geometry, flops_per_s: float, bytes_pe
     return {
         "steps": len(steps), "prefill_tokens": sum(step.prefill_tokens for step in steps),
         "decode_rows": sum(step.decode_rows for step in steps), "sampled_rows": sum(step.sampled for step in steps),
-        "seconds": seconds, "ms_per_step": 1e3 * seconds / len(steps),
+        "seconds": seconds, "ms_per_step": 1e3 * seconds / len(steps), "timed_ms_per_step": 1e3 * timed_s / len(steps),
         "gflop": flops / 1e9, "gb": moved / 1e9,
         "gflops": flops / seconds / 1e9, "share_of_gemm_peak": flops / seconds / flops_per_s,
         "gbps": moved / seconds / 1e9, "share_of_bandwidth": moved / seconds / bytes_per_s,
         "bound": "compute" if compute_s >= memory_s else "memory",
-        "share_of_roofline": roofline_s / seconds,
+        "share_of_roofline": sum(c.roofline_s(flops_per_s, bytes_per_s) for c in each) / seconds,
+        "share_of_roofline_by_part": sum(c.roofline_by_part_s(flops_per_s, bytes_per_s) for c in each) / seconds,
         "linear_gflops": linear_flops / linear_s / 1e9 if linear_s else 0.0,
         "linear_share_of_gemm_peak": linear_flops / linear_s / flops_per_s if linear_s else 0.0,
         "attention_gflops": attention_flops / attention_s / 1e9 if attention_s else 0.0,
-        "time_split": {part: parts[part] / seconds for part in PARTS},
+        "time_split": {part: parts[part] / timed_s for part in PARTS},
     }
 
 

@@ -51,27 +51,30 @@ def classes_table(summary: dict[str, dict], dtype: str, peaks: Peaks) -> Table:
     table = Table(title=f"Steps against this machine's roofline ({dtype}: GEMM peak {peaks.gemm_gflops(dtype):,.0f} "
                         f"GFLOP/s, bandwidth {peaks.bandwidth_gbps:,.1f} GB/s)",
                   caption=f"prefill-heavy: prefill tokens >= {PREFILL_HEAVY_SHARE:.0%} of those computed; decode: "
-                          "none; roofline: the slower of compute at the GEMM peak and bytes at the bandwidth")
-    for column in ("class", "steps", "prefill\ntokens", "decode\nrows", "ms/step", "GFLOP/s", "% GEMM\npeak",
-                   "GB/s", "% band-\nwidth", "bound", "% roof-\nline", "linear\nGFLOP/s", "linear %\nGEMM peak",
-                   "attention\nGFLOP/s"):
+                          "none; ms/step: the plain run's (timed by parts: the timed run's); roofline: the slower of "
+                          "compute at the GEMM peak and bytes at the bandwidth; by part: the linear layers' and "
+                          "attention's, each the slower of the two, added up")
+    for column in ("class", "steps", "prefill\ntokens", "decode\nrows", "ms/step", "timed\nby parts", "GFLOP/s",
+                   "% GEMM\npeak", "GB/s", "% band-\nwidth", "bound", "% roof-\nline", "% roofline\nby part",
+                   "linear\nGFLOP/s", "linear %\nGEMM peak", "attention\nGFLOP/s"):
         table.add_column(column, justify="right")
     for kind, f in summary.items():
         table.add_row(kind, str(f["steps"]), f"{f['prefill_tokens']:,}", f"{f['decode_rows']:,}",
-                      f"{f['ms_per_step']:,.1f}", f"{f['gflops']:,.1f}", f"{f['share_of_gemm_peak']:.1%}",
-                      f"{f['gbps']:,.1f}", f"{f['share_of_bandwidth']:.1%}", f["bound"],
-                      f"{f['share_of_roofline']:.1%}", f"{f['linear_gflops']:,.1f}",
+                      f"{f['ms_per_step']:,.1f}", f"{f['timed_ms_per_step']:,.1f}", f"{f['gflops']:,.1f}",
+                      f"{f['share_of_gemm_peak']:.1%}", f"{f['gbps']:,.1f}", f"{f['share_of_bandwidth']:.1%}", f["bound"],
+                      f"{f['share_of_roofline']:.1%}", f"{f['share_of_roofline_by_part']:.1%}",
+                      f"{f['linear_gflops']:,.1f}",
                       f"{f['linear_share_of_gemm_peak']:.1%}", f"{f['attention_gflops']:,.1f}")
     return table
 
 
 def split_table(summary: dict[str, dict]) -> Table:
-    table = Table(title="Where the time goes (% of each class's step time)",
+    table = Table(title="Where the time goes (% of each class's step time, timed by parts)",
                   caption="other: the model's ops besides linear layers and attention; host: the rest of the step")
     for column in ("class", "ms/step", *PARTS):
         table.add_column(column, justify="right")
     for kind, f in summary.items():
-        table.add_row(kind, f"{f['ms_per_step']:,.1f}", *(f"{f['time_split'][part]:.1%}" for part in PARTS))
+        table.add_row(kind, f"{f['timed_ms_per_step']:,.1f}", *(f"{f['time_split'][part]:.1%}" for part in PARTS))
     return table
 
 
@@ -83,7 +86,7 @@ def plot(steps: list[Step], summary: dict[str, dict], geometry: Geometry, dtype:
     points = {kind: [] for kind in CLASSES}
     for step in steps:
         cost = step_costs(step, geometry)
-        points[step_class(step)].append((cost.flops / cost.bytes, cost.flops / step.seconds / 1e9))
+        points[step_class(step)].append((cost.flops / cost.bytes, cost.flops / step.plain_s / 1e9))
     intensities = [x for xy in points.values() for x, _ in xy] or [1.0]
     low, high = min(min(intensities) / 2, gflops / bandwidth / 4), max(max(intensities) * 2, gflops / bandwidth * 4)
     knee = gflops / bandwidth

@@ -11,15 +11,17 @@ synchronously, so a clock around a call is that call's compute. A step's parts:
   sampling   the sampler
   other      the model's other ops: embedding, norms, rotary, activations, residuals, transformers' glue
   host       the rest of the step: scheduling, the step's inputs and attention metadata, outputs
-The hooks' own cost falls in `other`; ops.roofline prints the run's overhead (timed against plain).
-The forward runs eager: a compiled one has no seams to time.
+The hooks' own cost falls in `other`; ops.roofline prints the run's overhead (timed against plain). A clock
+`by_parts=False` only records what each step computes, one wrapper per step: the plain run's steps, whose
+times are the engine's own (pair() gives each timed step its plain time). The forward runs eager: a compiled
+one has no seams to time.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 from transformers import AttentionInterface
@@ -44,6 +46,7 @@ class Step:
     attention_s: float
     forward_s: float
     sampling_s: float
+    plain_s: float = 0.0  # the same step's time in the plain run (pair()); its parts above are the timed run's
 
     @property
     def tokens(self) -> int:
@@ -70,6 +73,7 @@ class StepClock:
     """Installed on an engine for a `with` block; start() before each step, end() after it."""
 
     engine: Engine
+    by_parts: bool = True
     seconds: dict[str, float] = field(default_factory=dict)
     plan: tuple[list[tuple[int, int]], int] | None = None  # the step's (seqs, sampled rows), once it runs
     _linear_started: float = 0.0
@@ -77,25 +81,31 @@ class StepClock:
 
     def __enter__(self) -> StepClock:
         runner = self.engine.runner
-        for module in self.engine.model.modules():
-            if type(module) in (nn.Linear, PackedLinear):
-                self._undo += [module.register_forward_pre_hook(self._linear_starts).remove,
-                               module.register_forward_hook(self._linear_ends).remove]
-        attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
-        AttentionInterface.register(ATTN_IMPLEMENTATION, self._timed(attention, "attention"))
-        sample, forward, execute = engine_module.sample, runner.forward, runner.execute
-        engine_module.sample = self._timed(sample, "sampling")
-        runner.forward = self._timed(forward, "forward")
+        execute = runner.execute
 
         def execute_planned(plan):
             self.plan = [(seq.num_computed_tokens, new) for seq, new in plan.scheduled.items()], sampled_rows(plan)
             return execute(plan)
 
         runner.execute = execute_planned
-        self._undo += [lambda: AttentionInterface.register(ATTN_IMPLEMENTATION, attention),
-                       lambda: setattr(engine_module, "sample", sample),
-                       lambda: setattr(runner, "forward", forward), lambda: delattr(runner, "execute")]
+        self._undo.append(lambda: delattr(runner, "execute"))
+        if self.by_parts:
+            self._time_parts()
         return self
+
+    def _time_parts(self) -> None:
+        runner = self.engine.runner
+        for module in self.engine.model.modules():
+            if type(module) in (nn.Linear, PackedLinear):
+                self._undo += [module.register_forward_pre_hook(self._linear_starts).remove,
+                               module.register_forward_hook(self._linear_ends).remove]
+        attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
+        AttentionInterface.register(ATTN_IMPLEMENTATION, self._timed(attention, "attention"))
+        sample, forward = engine_module.sample, runner.forward
+        engine_module.sample = self._timed(sample, "sampling")
+        runner.forward = self._timed(forward, "forward")
+        self._undo += [lambda: AttentionInterface.register(ATTN_IMPLEMENTATION, attention),
+                       lambda: setattr(engine_module, "sample", sample), lambda: setattr(runner, "forward", forward)]
 
     def __exit__(self, *exc) -> None:
         while self._undo:
@@ -139,19 +149,16 @@ def warm_up(engine: Engine) -> None:
         engine.step()
 
 
-def run(engine: Engine, requests: list[tuple[list[int], int]], clock: StepClock | None = None
+def run(engine: Engine, requests: list[tuple[list[int], int]], clock: StepClock
         ) -> tuple[float, list[Step]]:
     """Every request at once (greedy, EOS ignored) until the last one ends -> (seconds, the steps that
-    computed something, each timed by its parts when a clock is given)."""
+    computed something, each timed by its parts where the clock times them)."""
     for i, (ids, max_tokens) in enumerate(requests):
         engine.add_request(f"r{i}", prompt_ids=ids,
                            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     steps = []
     started = time.perf_counter()
     while engine.has_unfinished:
-        if clock is None:
-            engine.step()
-            continue
         clock.start()
         step_started = time.perf_counter()
         engine.step()
@@ -159,3 +166,11 @@ def run(engine: Engine, requests: list[tuple[list[int], int]], clock: StepClock 
         if step is not None:
             steps.append(step)
     return time.perf_counter() - started, steps
+
+
+def pair(plain: list[Step], timed: list[Step]) -> list[Step]:
+    """The timed run's steps, each with its time in the plain run: the two runs of one workload on fresh
+    KV pools schedule the same steps, which is checked."""
+    if [(s.seqs, s.sampled) for s in plain] != [(s.seqs, s.sampled) for s in timed]:
+        raise RuntimeError("the plain and the timed run scheduled different steps: their times cannot be paired")
+    return [replace(step, plain_s=untimed.seconds) for untimed, step in zip(plain, timed)]

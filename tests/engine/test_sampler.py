@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from producer.protocol import SamplingParams
-from worker.engine.sampler import SampleRequest, _top_k_top_p, apply_penalties, mix_seed, sample, sample_on_device
+from worker.engine import kernels
+from worker.engine.sampler import (SampleRequest, _top_k_top_p, apply_penalties, argmax, mix_seed, sample,
+                                   sample_on_device)
 
 VOCAB = 64
 
@@ -164,6 +166,42 @@ def test_penalties_steer_greedy_and_do_not_touch_the_callers_logits():
     before = logits.clone()
     assert sample(logits, [request(output=[0], temperature=0.0, frequency_penalty=1.0)]).token_ids == [1]
     assert sample(logits, [request(temperature=0.0)]).token_ids == [0]
+    assert torch.equal(logits, before)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+# Widths about a vector (16 lanes with AVX-512, 8 with AVX2) and four of them (the kernel's chains), with tails.
+@pytest.mark.parametrize("rows, width", [(1, 1), (3, 15), (5, 16), (7, 17), (2, 63), (4, 64), (6, 65), (9, 1000),
+                                         (64, 49152)])
+def test_the_cpu_argmax_is_torchs_first_index_of_each_rows_max(rows, width):
+    if kernels.native() is None:
+        pytest.fail("the native kernels did not build")
+    generator = torch.Generator().manual_seed(width)
+    for logits in (torch.randn(rows, width, generator=generator),
+                   torch.randint(-2, 2, (rows, width), generator=generator).float()):  # ties everywhere
+        assert torch.equal(kernels.argmax_rows(logits), logits.max(dim=1).indices)
+        assert torch.equal(argmax(logits), logits.max(dim=1).indices)
+
+
+def test_the_cpu_argmax_takes_a_rows_first_nan_and_infinities_as_torch_does():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
+    logits[1, 50] = logits[1, 70] = NAN  # two NaNs: the first counts
+    logits[2, 99] = NAN  # in the tail past the vectors
+    logits[3, 0] = NAN
+    logits[4] = -INF  # all -inf: index 0
+    logits[5, 3] = logits[5, 90] = INF
+    logits[6] = NAN
+    logits[7, 64:] = 10.0  # the max first seen past the first vectors, then repeated
+    assert kernels.argmax_rows(logits).tolist() == logits.max(dim=1).indices.tolist() == [
+        int(logits[0].argmax()), 50, 99, 0, 0, 3, 0, 64]
+
+
+def test_a_greedy_batch_without_penalties_samples_from_the_logits_as_they_are():
+    logits = random_logits(4)
+    before = logits.clone()
+    assert sample(logits, [request(temperature=0.0)] * 4).token_ids == logits.max(dim=1).indices.tolist()
     assert torch.equal(logits, before)
 
 

@@ -11,15 +11,17 @@ import pytest
 
 from ops.bench_offline import LONG_PROMPT_TOKENS, SYSTEM_PROMPT_LENGTH, synthetic_workload
 from ops.roofline.costs import FULL_DECODE, Geometry, step_class, step_costs, summarize
-from ops.roofline.steps import PARTS, Step
+from ops.roofline.steps import PARTS, Step, pair
 
 ROOT = Path(__file__).resolve().parents[2]
 GEOMETRY = Geometry(layer_weights=1000, head_weights=200, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                     itemsize=4)
 
 
-def step(seqs, sampled, seconds=1.0, linear_s=0.4, attention_s=0.2, forward_s=0.8, sampling_s=0.1) -> Step:
-    return Step(seconds, seqs, sampled, linear_s, attention_s, forward_s, sampling_s)
+def step(seqs, sampled, seconds=1.0, linear_s=0.4, attention_s=0.2, forward_s=0.8, sampling_s=0.1,
+         plain_s=None) -> Step:
+    return Step(seconds, seqs, sampled, linear_s, attention_s, forward_s, sampling_s,
+                seconds if plain_s is None else plain_s)
 
 
 def test_a_steps_flops_and_bytes_follow_the_geometry():
@@ -65,6 +67,39 @@ def test_a_class_sums_its_steps_against_the_peaks():
         {"linear": 0.5, "attention": 0.1, "sampling": 0.1, "other": 0.1, "host": 0.2})
 
 
+def test_rates_are_the_plain_runs_and_the_split_the_timed_runs():
+    timed = step([(100, 1), (50, 1)], 2, seconds=0.1, linear_s=0.05, attention_s=0.01, forward_s=0.07,
+                 sampling_s=0.01, plain_s=0.08)
+    cost = step_costs(timed, GEOMETRY)
+    f = summarize([timed], GEOMETRY, gemm_gflops=1e-3, bandwidth_gbps=1e-4)["decode"]
+    assert f["ms_per_step"] == pytest.approx(80) and f["timed_ms_per_step"] == pytest.approx(100)
+    assert f["gflops"] == pytest.approx(cost.flops / 0.08 / 1e9)
+    assert f["share_of_roofline"] == pytest.approx(max(cost.flops / 1e6, cost.bytes / 1e5) / 0.08)
+    assert f["time_split"] == pytest.approx({"linear": 0.5, "attention": 0.1, "sampling": 0.1, "other": 0.1, "host": 0.2})
+
+
+def test_the_roofline_by_part_adds_up_the_linear_layers_and_attentions_own_bounds():
+    # a batch of decodes: its linear layers bound by compute, its attention by the K/V bytes
+    decode = step([(500, 1)] * 64, 64, seconds=1.0)
+    cost = step_costs(decode, GEOMETRY)
+    flops_per_s, bytes_per_s = 1e6, 1e5
+    linear_s, attention_s = cost.linear_flops / flops_per_s, cost.kv_bytes / bytes_per_s
+    assert linear_s > cost.weight_bytes / bytes_per_s and attention_s > cost.attention_flops / flops_per_s
+    f = summarize([decode], GEOMETRY, gemm_gflops=1e-3, bandwidth_gbps=1e-4)["decode"]
+    assert f["share_of_roofline_by_part"] == pytest.approx(linear_s + attention_s)
+    assert f["share_of_roofline"] == pytest.approx(max(cost.flops / flops_per_s, cost.bytes / bytes_per_s))
+    assert f["share_of_roofline_by_part"] > f["share_of_roofline"]
+
+
+def test_each_timed_step_gets_the_plain_runs_time_of_the_same_step():
+    plain = [step([(0, 9)], 1, seconds=0.3), step([(9, 1)], 1, seconds=0.1)]
+    timed = [step([(0, 9)], 1, seconds=0.4), step([(9, 1)], 1, seconds=0.2)]
+    paired = pair(plain, timed)
+    assert [(s.seconds, s.plain_s) for s in paired] == [(0.4, 0.3), (0.2, 0.1)]
+    with pytest.raises(RuntimeError, match="different steps"):
+        pair(plain, [timed[0], step([(9, 1), (0, 4)], 2)])
+
+
 def test_decode_steps_of_64_sequences_or_more_are_summed_apart_too():
     full, short = step([(100, 1)] * 64, 64, seconds=0.2), step([(100, 1)] * 63, 63, seconds=0.1)
     summary = summarize([full, short], GEOMETRY, gemm_gflops=1e-3, bandwidth_gbps=1e-4)
@@ -99,8 +134,10 @@ def test_a_quick_run_end_to_end(tmp_path):
     for kind, f in figures["classes"].items():
         assert sum(f["time_split"].values()) == pytest.approx(1.0), kind
         assert set(f["time_split"]) == set(PARTS) and min(f["time_split"].values()) >= 0, kind
-        for share in ("share_of_gemm_peak", "share_of_bandwidth", "share_of_roofline", "linear_share_of_gemm_peak"):
+        for share in ("share_of_gemm_peak", "share_of_bandwidth", "share_of_roofline", "share_of_roofline_by_part",
+                      "linear_share_of_gemm_peak"):
             assert 0 < f[share] < 1.5, (kind, share, f[share])
+        assert f["share_of_roofline_by_part"] >= f["share_of_roofline"]  # max(a, b) + max(c, d) >= max(a + c, b + d)
     steps, geometry = figures["steps"], figures["geometry"]
     # every prompt token and every output token but each request's last is computed once (no prefix shared)
     computed = figures["prompt_tokens"] + figures["output_tokens"] - figures["requests"]
@@ -109,6 +146,6 @@ def test_a_quick_run_end_to_end(tmp_path):
     for s in steps:
         tokens = sum(n for _, n in s["seqs"])
         assert s["linear_flops"] == 2 * (geometry["layer_weights"] * tokens + geometry["head_weights"] * s["sampled"])
-        assert s["seconds"] >= s["forward_s"] >= s["linear_s"] + s["attention_s"] > 0
+        assert s["seconds"] >= s["forward_s"] >= s["linear_s"] + s["attention_s"] > 0 and s["plain_s"] > 0
     assert figures["seconds"]["plain"] > 0 and figures["seconds"]["timed"] > 0
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

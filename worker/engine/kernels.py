@@ -6,7 +6,8 @@
 `pack_linear_weight` / `packed_linear` are a GEMM for pre-packed weights, float32 sums (csrc/linear.cpp),
 the latter also the operator torch.ops.streambatch.packed_linear (with a shape function, so that
 torch.compile traces through it); `rms_norm` and `silu_and_mul` are a decoder layer's small ops in
-one pass each (csrc/layer_ops.cpp, for eager forwards: layer_ops.py).
+one pass each (csrc/layer_ops.cpp, for eager forwards: layer_ops.py); `argmax_rows` is greedy sampling's
+argmax of each row (csrc/argmax.cpp).
 
 The build needs a C++ compiler and ninja and takes about two minutes on 2 cores: `make setup`
 runs it (`python -m worker.prepare`), and an engine that finds no build makes one before it
@@ -42,7 +43,7 @@ def kernels_extension() -> Extension:
         defines.append(f"-DCPU_CAPABILITY_{capability}")
     csrc = Path(__file__).with_name("csrc")
     sources = ("bindings.cpp", "paged_decode.cpp", "prefill_attention.cpp", "write_kv.cpp", "linear.cpp",
-               "layer_ops.cpp")
+               "layer_ops.cpp", "argmax.cpp")
     return Extension(f"streambatch_kernels_{capability.lower()}", tuple(csrc / name for name in sources),
                      headers=(csrc / "attention_tiles.h", csrc / "amx_tiles.h"),
                      cflags=("-O3", "-march=native", "-fopenmp", *defines), ldflags=("-fopenmp",))
@@ -120,6 +121,11 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, 
     with cos and sin [tokens, d]: q [tokens, heads, d] and k [tokens, kv_heads, d] in one pass, in qkv's dtype
     or `out_dtype` (as rms_norm's)."""
     return native().rotary(qkv, cos.contiguous(), sin.contiguous(), heads, kv_heads, out_dtype)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] float32 -> int64 [rows]: x.max(dim=1).indices (the first of equals, a row's first NaN if any)."""
+    return native().argmax_rows(x.contiguous())
 
 
 def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

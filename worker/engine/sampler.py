@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from producer.protocol import SamplingParams
+from worker.engine import kernels
 from worker.engine.host_copy import to_device, to_host, values_to_device
 
 _MASK64 = (1 << 64) - 1
@@ -75,8 +76,7 @@ def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
 def apply_penalties(logits: torch.Tensor, requests: list[SampleRequest]) -> None:
     """In place, on a contiguous [rows, vocab] tensor. Touches only the (row, token) pairs
     that were seen, never whole [rows, vocab] masks: cheap next to a full vocabulary pass."""
-    rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0
-            or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+    rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
     if not rows:
         return
     vocab, device, dtype = logits.shape[1], logits.device, logits.dtype
@@ -186,28 +186,37 @@ def sample_on_device(logits: torch.Tensor, requests: list[SampleRequest]) -> Dev
     device value back, none copies from pageable memory), so a step's one sync is read_back's."""
     if logits.dim() != 2 or logits.shape[0] != len(requests):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
-    logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    # a copy only for the penalties, which write into it: `logits` is not modified
+    logits = logits.to(torch.float32, copy=any(r.params.has_penalties for r in requests),
+                       memory_format=torch.contiguous_format)
     wants_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     logprob_rows = _index(wants_logprobs, logits) if wants_logprobs else None
     raw_logprobs = logits[logprob_rows].log_softmax(dim=1) if wants_logprobs else None
 
     apply_penalties(logits, requests)
-    # what greedy rows keep (after penalties, like vLLM); max's indices are argmax's (the first of
-    # equals), 2.5x faster on CPU for 64 rows of a 49k vocabulary
-    tokens = logits.max(dim=1).indices
+    tokens = argmax(logits)  # what greedy rows keep (after penalties, like vLLM)
     rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if rows:
         subset, index = [requests[i] for i in rows], _index(rows, logits)
         temperature = _column([r.params.temperature for r in subset], logits)
         probs = _filter(logits[index] / temperature, subset)
         # Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p_t.
-        tokens[index] = (probs / _exponential_noise(probs, subset)).argmax(dim=1)
+        tokens[index] = argmax(probs / _exponential_noise(probs, subset))
     chosen = top = None
     if raw_logprobs is not None:
         chosen = raw_logprobs.gather(1, tokens[logprob_rows].unsqueeze(1)).squeeze(1)
         n_max = max(requests[i].params.logprobs or 0 for i in wants_logprobs)
         top = raw_logprobs.topk(n_max, dim=1) if n_max else None
     return DeviceSample(tokens, wants_logprobs, chosen, top)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest value (of its first NaN, if any). On the CPU the native kernel's:
+    torch's reduction with indices is not vectorized there (2.5 ms for 64 rows of a 49k vocabulary, 30x the
+    kernel's); max's indices elsewhere, 2.5x faster than argmax on a CPU and the same on a GPU."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and kernels.native() is not None:
+        return kernels.argmax_rows(x)
+    return x.max(dim=1).indices
 
 
 def read_back(sampled: DeviceSample, requests: list[SampleRequest]) -> SampleOutput:

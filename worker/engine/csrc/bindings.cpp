@@ -16,6 +16,7 @@ torch::Tensor silu_and_mul(torch::Tensor x, std::optional<at::ScalarType> out_dt
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                                 int64_t heads, int64_t kv_heads,
                                                 std::optional<at::ScalarType> out_dtype);
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
@@ -26,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary", &rotary);
+  m.def("argmax_rows", &argmax_rows);
 }
 
 TORCH_LIBRARY(streambatch, m) {

@@ -3,6 +3,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+// A decode step's tokens on every thread: each key's column touches a cache line per value (head_dim lines a
+// head), misses that threads wait on together rather than one after the other.
+constexpr int64_t kTokensPerTask = 16;
+
 // k_cache [num_blocks, kv_heads, dim, block_size], v_cache [num_blocks, kv_heads, block_size, dim];
 // slots [T] int64 (block * block_size + offset); key / value [T, kv_heads, dim], any strides.
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor key,
@@ -19,7 +23,7 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const auto ks = key.strides(), vs = value.strides();
-    at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
         for (int64_t h = 0; h < heads; ++h) {
