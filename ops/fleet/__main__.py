@@ -38,7 +38,7 @@ from ops.fleet.ramp import RampOptions, ramp
 from ops.fleet.round_trips import SCRIPTS_PER_SIZE, measure as measure_round_trips
 from ops.fleet.report import step_line, steps_table, summary_table
 from ops.fleet.scenario import QUICK, Scenario
-from ops.tool import run_tool
+from ops.tool import run_tool, wide_console
 
 QUICK_ROUND_TRIP_SCRIPTS = 1_000  # per pipeline size and round, with --quick
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workers, args.warmup, args.window = (1, 2), 1.0, 1.0
     if args.workers_per_process < 1 or args.load_processes < 1:
         parser.error("--workers-per-process and --load-processes must be at least 1")
-    console = Console()
+    console = wide_console(200)
     return run_tool("fleet", lambda: measure(console, args, QUICK if args.quick else Scenario()), console)
 
 
