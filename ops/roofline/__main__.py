@@ -10,10 +10,11 @@ Then one of ops/bench_offline.py's workloads, every request at once, greedy, EOS
 (max_tokens 16, 64 or 256) through our engine twice, each time on a fresh KV pool: once plain, for each
 step's time, and once with each step's parts timed (steps.py), for where it goes; the difference is the
 timing's overhead.
-Each step's FLOPs and bytes come from the model's geometry (costs.py); the steps are classed prefill-heavy,
-mixed or decode, and each class gets its GFLOP/s and GB/s against the peaks, its share of the roofline,
-its linear layers' own GFLOP/s against the GEMM peak, and where its time went: linear layers, attention,
-sampling, the model's other ops and the host (report.py).
+The peaks' best GEMM and the bandwidth are measured again after the runs, to show how far the machine's
+speed moved meanwhile (these machines are shared). Each step's FLOPs and bytes come from the model's geometry
+(costs.py); the steps are classed prefill-heavy, mixed or decode, and each class gets its GFLOP/s and GB/s
+against the peaks, its share of the roofline, its linear layers' own GFLOP/s against the GEMM peak, and
+where its time went: linear layers, attention, sampling, the model's other ops and the host (report.py).
 
     python -m ops.roofline [--model smollm2-135m] [--dtype float32|bfloat16] [--workload mixed|long|chat]
                            [--quick] [--json FILE] [--plot FILE]
@@ -98,12 +99,18 @@ def measure(console: Console, args: argparse.Namespace) -> None:
     overhead = timed_s / plain_s - 1
     console.print(f"{tokens / timed_s:,.1f} output tokens/s timed by parts, {tokens / plain_s:,.1f} plain: the "
                   f"timing's overhead {overhead:+.1%} ({timed_s:.2f} s against {plain_s:.2f} s)")
+    gemm_after, bandwidth_after = machine.recheck(peaks, parse_dtype(args.dtype), args.quick)
+    gemm_before = peaks.gemm_gflops(args.dtype)
+    console.print(f"the peaks again after the runs: GEMM {gemm_after:,.0f} GFLOP/s ({gemm_after / gemm_before:.0%} of "
+                  f"before), bandwidth {bandwidth_after:,.1f} GB/s ({bandwidth_after / peaks.bandwidth_gbps:.0%} of before); "
+                  "the shares above hold only as far as these stayed near 100%")
     figures = {"model": args.model, "dtype": args.dtype, "workload": args.workload, "quick": args.quick,
                "threads": threads, "requests": len(requests), "prompt_tokens": prompt_tokens,
                "output_tokens": tokens,
                "engine": {"token_budget": config.scheduler.token_budget, "max_num_seqs": config.scheduler.max_num_seqs,
                           "num_blocks": engine.num_blocks},
-               "peaks": peaks.as_json(), "geometry": vars(geometry),
+               "peaks": peaks.as_json(), "peaks_after": {"gemm_gflops": gemm_after, "bandwidth_gbps": bandwidth_after},
+               "geometry": vars(geometry),
                "seconds": {"plain": plain_s, "timed": timed_s, "overhead": overhead},
                "classes": summary, "steps": [step_json(step, geometry) for step in steps]}
     if args.json is not None:

@@ -125,6 +125,16 @@ def bandwidth(repeats: int = REPEATS) -> tuple[float, float]:
     return read / 1e9, copy / 1e9
 
 
+def recheck(peaks: Peaks, dtype: torch.dtype, quick: bool = False) -> tuple[float, float]:
+    """(the dtype's peak GEMM, at its shape, rows and GEMM, and the bandwidth) measured again: with the
+    peaks measured before the run, how far this machine's speed moved while it ran."""
+    best = peaks.best(dtype_name(dtype))
+    repeats = QUICK_REPEATS if quick else REPEATS
+    again = [rate for rate in gemm_rates({best.shape: (best.in_features, best.out_features)}, dtype, (best.rows,),
+                                         repeats) if rate.gemm == best.gemm]
+    return again[0].gflops, max(bandwidth(repeats))
+
+
 def measure(shapes: dict[str, tuple[int, int]], dtypes: list[torch.dtype], quick: bool = False) -> Peaks:
     chunks, repeats = (QUICK_CHUNKS, QUICK_REPEATS) if quick else (CHUNKS, REPEATS)
     gemms = [rate for dtype in dtypes for rate in gemm_rates(shapes, dtype, chunks, repeats)]

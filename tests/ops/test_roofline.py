@@ -130,6 +130,8 @@ def test_a_quick_run_end_to_end(tmp_path):
     figures = json.loads(figures_path.read_text())
     peaks = figures["peaks"]
     assert peaks["gemm_peak_gflops"]["float32"]["gflops"] > 0 and peaks["bandwidth_gbps"] > 0
+    assert figures["peaks_after"]["gemm_gflops"] > 0 and figures["peaks_after"]["bandwidth_gbps"] > 0
+    assert "the peaks again after the runs" in done.stdout
     assert list(figures["classes"]) == ["prefill-heavy", "mixed", "decode", "all"]
     for kind, f in figures["classes"].items():
         assert sum(f["time_split"].values()) == pytest.approx(1.0), kind
