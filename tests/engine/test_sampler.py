@@ -198,6 +198,12 @@ def test_the_cpu_argmax_takes_a_rows_first_nan_and_infinities_as_torch_does():
         int(logits[0].argmax()), 50, 99, 0, 0, 3, 0, 64]
 
 
+def test_the_cpu_argmax_takes_rows_past_the_float_lanes_exact_indices():
+    logits = torch.zeros(1, 2**24 + 5)  # indices past 2^24 are not exact in float lanes: scanned one by one
+    logits[0, 2**24 + 3] = logits[0, 2**24 + 4] = 1.0
+    assert kernels.argmax_rows(logits).tolist() == logits.max(dim=1).indices.tolist() == [2**24 + 3]
+
+
 def test_a_greedy_batch_without_penalties_samples_from_the_logits_as_they_are():
     logits = random_logits(4)
     before = logits.clone()
